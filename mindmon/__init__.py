@@ -1,0 +1,26 @@
+"""mindmon: training monitors for MindSpore and the MindFormers PyNative Trainer.
+
+Importing this package is cheap: it does not import MindSpore or MindFormers (the autoload hook
+imports it at interpreter start). The public names below load on first use.
+"""
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MonitorGroup": ("mindmon.group", "MonitorGroup"),
+    "MonitorConfig": ("mindmon.config", "MonitorConfig"),
+    "ConfigError": ("mindmon.config", "ConfigError"),
+    "parse_sections": ("mindmon.config", "parse_sections"),
+    "AccumulatingTrainStep": ("mindmon.step", "AccumulatingTrainStep"),
+    "split_batch": ("mindmon.step", "split_batch"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mindmon' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    return getattr(importlib.import_module(module_name), attr)

@@ -1,0 +1,9 @@
+"""Training callbacks with the MindFormers TrainerCallback events.
+
+They live in `mindmon.callbacks`, not in a top-level `callbacks` package, because many training
+repositories have a `callbacks.py` of their own next to the launch script, which would shadow it.
+"""
+from .base import TrainerCallback
+from .monitor_callback import MonitorCallback
+
+__all__ = ["MonitorCallback", "TrainerCallback"]

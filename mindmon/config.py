@@ -1,0 +1,320 @@
+"""The `monitor`, `profiler` and `callbacks` sections: defaults, validation and clear errors.
+
+Every check runs before step 1, and every error names the full key path, the value it got and
+what is allowed.
+
+Example:
+    cfg = parse_sections({"monitor": {"train_state": {"local_norm": ["attention"], "local_loss": True}}})
+    cfg.monitor.train_state.local_norm.matches("decoder.layers.0.self_attention.linear_qkv.weight")  # True
+"""
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import yaml
+
+DEFAULT_OUTPUT_DIR = "./output/monitor"
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names the key, the value and what is allowed."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value has the wrong type."""
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _type_error(path: str, value: Any, allowed: str) -> ConfigTypeError:
+    return ConfigTypeError(f"{path}: got {_describe(value)}; allowed: {allowed}")
+
+
+def _value_error(path: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{path}: got {_describe(value)}; allowed: {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_keys(path: str, section: Any, allowed: Tuple[str, ...]) -> Dict[str, Any]:
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise _type_error(path, section, f"a mapping with keys {list(allowed)}")
+    unknown = [k for k in section if k not in allowed]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed keys: {list(allowed)}")
+    return section
+
+
+def _bool(path: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(path, value, "True or False")
+    return value
+
+
+@dataclass(frozen=True)
+class ParamFilter:
+    """Which parameters a norm switch selects: all trainable ones, those whose name contains any
+    of `substrings`, or none (off)."""
+
+    substrings: Tuple[str, ...] = ()
+    everything: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.everything or bool(self.substrings)
+
+    def matches(self, name: str) -> bool:
+        return self.everything or any(s in name for s in self.substrings)
+
+    def to_yaml(self) -> Union[bool, List[str]]:
+        return True if self.everything else (list(self.substrings) if self.substrings else False)
+
+    @classmethod
+    def parse(cls, path: str, value: Any) -> "ParamFilter":
+        allowed = 'True (all trainable parameters), a name substring, a list of substrings, or ""/False (off)'
+        if isinstance(value, bool):
+            return cls(everything=value)
+        if isinstance(value, str):
+            return cls(substrings=(value,) if value else ())
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if not isinstance(item, str):
+                    raise _type_error(f"{path} item", item, "strings only")
+                if not item:
+                    raise _value_error(f"{path} item", item, "non-empty substrings (use True to select all)")
+            return cls(substrings=tuple(value))
+        raise _type_error(path, value, allowed)
+
+
+@dataclass(frozen=True)
+class TrainStateConfig:
+    """`monitor.train_state`: gradient norms and losses per micro-step (seed section 1.1)."""
+
+    local_norm: ParamFilter = ParamFilter()
+    local_loss: bool = False
+    device_norm: ParamFilter = ParamFilter()
+    device_loss: bool = False
+
+    KEYS = ("local_norm", "local_loss", "device_norm", "device_loss")
+
+    @property
+    def active(self) -> bool:
+        return self.local_norm.enabled or self.device_norm.enabled or self.local_loss or self.device_loss
+
+    @classmethod
+    def parse(cls, path: str, section: Any) -> "TrainStateConfig":
+        section = _check_keys(path, section, cls.KEYS)
+        out = {}
+        for key in ("local_norm", "device_norm"):
+            if key in section:
+                out[key] = ParamFilter.parse(f"{path}.{key}", section[key])
+        for key in ("local_loss", "device_loss"):
+            if key in section:
+                out[key] = _bool(f"{path}.{key}", section[key])
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        return {"local_norm": self.local_norm.to_yaml(), "local_loss": self.local_loss,
+                "device_norm": self.device_norm.to_yaml(), "device_loss": self.device_loss}
+
+
+@dataclass(frozen=True)
+class MoEMonitorConfig:
+    """`monitor.moe_monitor`: tokens per expert (seed section 1.2)."""
+
+    save_tokens_per_expert_interval: Optional[int] = None
+    target_layers: Union[None, int, Tuple[int, ...]] = None
+
+    KEYS = ("save_tokens_per_expert_interval", "target_layers")
+
+    @property
+    def active(self) -> bool:
+        return self.save_tokens_per_expert_interval is not None
+
+    @classmethod
+    def parse(cls, path: str, section: Any) -> "MoEMonitorConfig":
+        section = _check_keys(path, section, cls.KEYS)
+        interval = section.get("save_tokens_per_expert_interval")
+        key = f"{path}.save_tokens_per_expert_interval"
+        if interval is not None:
+            if not _is_int(interval):
+                raise _type_error(key, interval, "None (off) or a positive int")
+            if interval <= 0:
+                raise _value_error(key, interval, "None (off) or a positive int")
+        layers = section.get("target_layers")
+        key = f"{path}.target_layers"
+        if isinstance(layers, (list, tuple)):
+            if not all(_is_int(x) and x >= 0 for x in layers) or not layers:
+                raise _value_error(key, layers, "a non-empty list of layer ids >= 0")
+            layers = tuple(layers)
+        elif layers is not None and not _is_int(layers):
+            raise _type_error(key, layers, "None (all MoE layers), an int N (layers 0..N-1) or a list of ints")
+        elif _is_int(layers) and layers <= 0:
+            raise _value_error(key, layers, "a positive int N (layers 0..N-1)")
+        return cls(interval, layers)
+
+    def to_dict(self) -> dict:
+        layers = list(self.target_layers) if isinstance(self.target_layers, tuple) else self.target_layers
+        return {"save_tokens_per_expert_interval": self.save_tokens_per_expert_interval, "target_layers": layers}
+
+
+# MindFormers' own monitor keys; mindmon leaves them to the stock config.
+PASSTHROUGH_MONITOR_KEYS = ("health_checkpoint", "tensorboard")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The `monitor` section: `train_state`, `moe_monitor` and where mindmon writes its files."""
+
+    train_state: TrainStateConfig = TrainStateConfig()
+    moe_monitor: MoEMonitorConfig = MoEMonitorConfig()
+    output_dir: str = DEFAULT_OUTPUT_DIR
+
+    KEYS = ("train_state", "moe_monitor", "output_dir")
+
+    @property
+    def active(self) -> bool:
+        return self.train_state.active or self.moe_monitor.active
+
+    @classmethod
+    def parse(cls, section: Any, path: str = "monitor") -> "MonitorConfig":
+        section = _check_keys(path, section, cls.KEYS + PASSTHROUGH_MONITOR_KEYS)
+        output_dir = section.get("output_dir", DEFAULT_OUTPUT_DIR)
+        if not isinstance(output_dir, str) or not output_dir:
+            raise _type_error(f"{path}.output_dir", output_dir, "a non-empty directory path")
+        return cls(TrainStateConfig.parse(f"{path}.train_state", section.get("train_state")),
+                   MoEMonitorConfig.parse(f"{path}.moe_monitor", section.get("moe_monitor")),
+                   output_dir)
+
+    def to_dict(self) -> dict:
+        return {"train_state": self.train_state.to_dict(), "moe_monitor": self.moe_monitor.to_dict(),
+                "output_dir": self.output_dir}
+
+
+PROFILER_LEVELS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """The `profiler` section (seed section 2). `profiler_level` outside 0/1/2 means LevelNone."""
+
+    enable_profiling: bool = False
+    start_step: int = 1
+    end_step: int = 1
+    output_path: Optional[str] = None
+    profiler_rank: Optional[Tuple[int, ...]] = None
+    profiler_level: int = 0
+    mstx: bool = False
+    profile_memory: bool = False
+    profile_cpu: bool = True
+    with_stack: bool = True
+
+    KEYS = ("enable_profiling", "start_step", "end_step", "output_path", "profiler_rank", "profiler_level",
+            "mstx", "profile_memory", "profile_cpu", "with_stack")
+
+    @property
+    def level_is_valid(self) -> bool:
+        return self.profiler_level in PROFILER_LEVELS
+
+    def selects_rank(self, rank: int) -> bool:
+        return self.profiler_rank is None or rank in self.profiler_rank
+
+    @classmethod
+    def parse(cls, section: Any, path: str = "profiler") -> "ProfilerConfig":
+        section = _check_keys(path, section, cls.KEYS)
+        out = {k: _bool(f"{path}.{k}", section[k])
+               for k in ("enable_profiling", "mstx", "profile_memory", "profile_cpu", "with_stack") if k in section}
+        for key in ("start_step", "end_step", "profiler_level"):
+            if key in section and not _is_int(section[key]):
+                raise _type_error(f"{path}.{key}", section[key], "an int")
+        for key in ("start_step", "end_step"):
+            if key in section and section[key] <= 0:
+                raise _value_error(f"{path}.{key}", section[key], "a positive int")
+        if "start_step" in section and section["start_step"] != 1 and "end_step" not in section:
+            raise ConfigError(f"{path}.end_step: missing while {path}.start_step is {section['start_step']}; "
+                              f"set end_step >= start_step, or the window would be empty")
+        start, end = section.get("start_step", 1), section.get("end_step", 1)
+        if end < start:
+            raise ConfigError(f"{path}.end_step: got {end}, which is before {path}.start_step={start}; "
+                              f"allowed: end_step >= start_step")
+        out.update(start_step=start, end_step=end)
+        if "profiler_level" in section:
+            out["profiler_level"] = section["profiler_level"]
+        output_path = section.get("output_path")
+        if output_path is not None and (not isinstance(output_path, str) or not output_path):
+            raise _type_error(f"{path}.output_path", output_path, "None or a non-empty directory path")
+        out["output_path"] = output_path
+        ranks = section.get("profiler_rank")
+        if ranks is not None:
+            if not isinstance(ranks, (list, tuple)) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+                raise _value_error(f"{path}.profiler_rank", ranks, "None (all ranks) or a non-empty list of rank ids >= 0")
+            out["profiler_rank"] = tuple(ranks)
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in self.KEYS}
+        out["profiler_rank"] = list(self.profiler_rank) if self.profiler_rank is not None else None
+        return out
+
+
+def _parse_callbacks(value: Any, path: str = "callbacks") -> Tuple[dict, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(path, value, "a list of mappings, each with a 'type' key")
+    for index, item in enumerate(value):
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            raise _type_error(f"{path}[{index}]", item, "a mapping with a 'type' string")
+        if item["type"] == "MaxLogitsMonitor":
+            _check_keys(f"{path}[{index}]", item, ("type", "step_interval"))
+            check_step_interval(item.get("step_interval", 1), f"{path}[{index}].step_interval")
+    return tuple(dict(item) for item in value)
+
+
+def check_step_interval(value: Any, path: str = "step_interval") -> int:
+    """`MaxLogitsMonitor.step_interval`: a positive int, else ValueError (as upstream)."""
+    if not _is_int(value) or value <= 0:
+        raise _value_error(path, value, "a positive int")
+    return value
+
+
+@dataclass(frozen=True)
+class MindmonConfig:
+    """The three sections mindmon reads from a training YAML."""
+
+    monitor: MonitorConfig = MonitorConfig()
+    profiler: ProfilerConfig = ProfilerConfig()
+    callbacks: Tuple[dict, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"monitor": self.monitor.to_dict(), "profiler": self.profiler.to_dict(),
+                "callbacks": [dict(c) for c in self.callbacks]}
+
+
+def parse_sections(raw: Dict[str, Any]) -> MindmonConfig:
+    """Validate the mindmon sections of a whole training config (other sections are ignored)."""
+    if not isinstance(raw, dict):
+        raise _type_error("<config>", raw, "a mapping of sections")
+    return MindmonConfig(MonitorConfig.parse(raw.get("monitor")),
+                         ProfilerConfig.parse(raw.get("profiler")),
+                         _parse_callbacks(raw.get("callbacks")))
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    """A training YAML as a plain dict, with omegaconf `${...}` interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    with open(path, "r", encoding="utf-8") as handle:
+        data = yaml.safe_load(handle)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+
+
+def dump_sections(config: MindmonConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

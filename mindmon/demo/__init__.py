@@ -1,0 +1,1 @@
+"""The embedded demo: a tiny MindFormers-shaped MoE GPT, synthetic data, and a launch script."""

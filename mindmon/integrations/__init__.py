@@ -1,0 +1,1 @@
+"""Wiring into training frameworks. Only `mindformers.py` imports MindFormers."""

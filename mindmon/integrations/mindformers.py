@@ -1,0 +1,130 @@
+"""mindmon on the MindFormers 1.9.0 PyNative Trainer, with no change to the launch script.
+
+`enable()` patches the stock `Trainer` class (idempotent):
+  * `__init__` reads the documented `monitor:`, `profiler:` and `callbacks:` sections, validates
+    them before anything is built (a bad value stops the run here, naming the key), hands the
+    stock config only what 1.9.0 understands, then registers mindmon's callbacks;
+  * `training_step` runs the K = global_batch_size / (dp x local_batch_size) micro-steps that 1.9.0
+    computes but never runs (one forward/backward each, gradients accumulated, one update) and
+    records into the MonitorGroup.
+"""
+import copy
+import functools
+import inspect
+import os
+from types import SimpleNamespace
+
+from ..config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml, parse_sections
+from ..group import MonitorGroup
+from ..step import AccumulatingTrainStep, split_batch
+
+SUPPORTED_VERSIONS = ("1.9.",)
+_NEEDED = ("__init__", "training_step", "compute_loss", "_inner_train_loop", "_create_callback_handler")
+
+
+class IntegrationError(RuntimeError):
+    """The installed MindFormers does not have the internals mindmon patches."""
+
+
+def _mindformers_logger():
+    from mindformers.tools.logger import get_logger
+
+    return get_logger()
+
+
+def enable() -> None:
+    """Attach mindmon to `mindformers.pynative.trainer.Trainer`. Safe to call more than once."""
+    import mindformers
+    from mindformers.pynative.trainer import trainer as trainer_module
+
+    trainer_cls = trainer_module.Trainer
+    if getattr(trainer_cls, "_mindmon_attached", False):
+        return
+    version = getattr(mindformers, "__version__", "unknown")
+    missing = [name for name in _NEEDED if not hasattr(trainer_cls, name)]
+    if not version.startswith(SUPPORTED_VERSIONS) or missing:
+        raise IntegrationError(
+            f"MindFormers {version} is not supported (mindmon patches the PyNative Trainer of "
+            f"MindFormers {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}"
+            + (f"; missing Trainer.{', Trainer.'.join(missing)}" if missing else "")
+            + "). Install mindformers==1.9.0, or set MINDMON_AUTOLOAD=0 to train without mindmon.")
+    trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
+    trainer_cls.training_step = _training_step
+    trainer_cls._mindmon_attached = True
+    _mindformers_logger().info(
+        f"mindmon: attached to the MindFormers {version} PyNative Trainer (monitor/profiler/callbacks "
+        f"sections, K micro-steps per step); set MINDMON_AUTOLOAD=0 to turn it off")
+
+
+def _wrap_init(stock_init):
+    signature = inspect.signature(stock_init)
+
+    @functools.wraps(stock_init)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        raw = _raw_config(bound.arguments.get("config"))
+        mindmon_config = parse_sections(raw) if raw is not None else MindmonConfig()
+        if raw is not None:
+            bound.arguments["config"] = stock_sections(raw)
+        stock_init(*bound.args, **bound.kwargs)
+        _attach(self, mindmon_config)
+
+    return __init__
+
+
+def _raw_config(config):
+    if isinstance(config, str):
+        if not os.path.exists(config):
+            return None  # the stock Trainer raises its own FileNotFoundError
+        return load_yaml(config)
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    return None
+
+
+def stock_sections(raw: dict) -> dict:
+    """The config without mindmon's keys, in the shape MindFormers 1.9.0's TrainConfig accepts."""
+    stock = dict(raw)
+    stock.pop("profiler", None)
+    monitor = stock.pop("monitor", None) or {}
+    kept = {k: v for k, v in monitor.items() if k in PASSTHROUGH_MONITOR_KEYS}
+    if kept:
+        stock["monitor"] = kept
+    return stock
+
+
+def _rank() -> int:
+    try:
+        from mindspore.communication import get_rank
+
+        return int(get_rank())
+    except Exception:  # communication not initialised: a single process
+        return int(os.environ.get("RANK_ID", "0"))
+
+
+def _attach(trainer, config: MindmonConfig) -> None:
+    training = trainer.config.training
+    data_parallel = trainer.config.parallelism.data_parallel
+    if training.global_batch_size % (data_parallel * training.local_batch_size):
+        raise ConfigError(
+            f"training.global_batch_size: got {training.global_batch_size}, which is not a multiple of "
+            f"data_parallel ({data_parallel}) x training.local_batch_size ({training.local_batch_size}); "
+            f"allowed: a multiple, so that every step runs whole micro-batches")
+    names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
+    group = MonitorGroup(config.monitor, model=trainer.model, parameter_names=names, rank=_rank(),
+                         logger=_mindformers_logger())
+    for callback in group.callbacks():
+        trainer.callback_handler.add_callback(callback)
+    trainer._mindmon = SimpleNamespace(config=config, group=group, train_step=None)
+
+
+def _training_step(self, model, inputs, grad_fn):
+    """K micro-steps, one update; replaces 1.9.0's single forward/backward. `grad_fn` is unused:
+    mindmon's own one scales each micro-batch loss by 1/K."""
+    del grad_fn
+    state = self._mindmon
+    if state.train_step is None:
+        state.train_step = AccumulatingTrainStep(
+            lambda batch: self.compute_loss(model, batch), self.optimizer, self.num_accumulation_steps,
+            group=state.group, max_norm=self.config.training.max_norm)
+    return state.train_step(split_batch(inputs, self.num_accumulation_steps))

@@ -1,0 +1,5 @@
+"""Where records go: log lines in the documented formats, and a lossless per-rank JSONL file."""
+from .jsonl import JsonlSink
+from .log import LogSink
+
+__all__ = ["JsonlSink", "LogSink"]

@@ -1,0 +1,104 @@
+"""One optimizer step over K micro-batches, recording into a MonitorGroup.
+
+Micro-batch k contributes the gradient of loss_k / K, so the accumulated gradient is exactly
+the one the optimizer applies; it is clipped to `max_norm` by its global norm, as MindFormers
+does, and the update is skipped when that norm is not finite.
+
+Example (a plain MindSpore loop):
+    group = MonitorGroup(MonitorConfig.parse({"train_state": {"local_norm": True, "local_loss": True}}),
+                         parameter_names=[p.name for p in optimizer.parameters])
+    train_step = AccumulatingTrainStep(lambda ids, labels: net(ids, labels)[0], optimizer,
+                                       num_micro_steps=4, group=group)
+    group.setup()
+    for step, batch in enumerate(batches, start=1):
+        loss, grad_norm = train_step(split_batch(batch, 4))
+        group.flush(step)
+    group.close()
+"""
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from mindspore import mint, ops, value_and_grad
+
+from .monitors import GradientSnapshot
+from .stats import SquaredNorms, host_is_device
+
+Batch = Union[Dict[str, object], Tuple, List]
+
+
+def split_batch(batch: Batch, num_micro_steps: int) -> List[Batch]:
+    """Cut every column of a batch (dict or tuple of tensors) into K equal micro-batches on axis 0."""
+    columns = batch.values() if isinstance(batch, dict) else batch
+    sizes = {int(c.shape[0]) for c in columns}
+    if len(sizes) != 1 or next(iter(sizes)) % num_micro_steps:
+        raise ValueError(f"cannot cut a batch with leading sizes {sorted(sizes)} into {num_micro_steps} "
+                         f"equal micro-batches; the dataset must yield global_batch_size / data_parallel "
+                         f"samples per step")
+    size = next(iter(sizes)) // num_micro_steps
+
+    def piece(column, k):
+        return column if num_micro_steps == 1 else mint.narrow(column, 0, k * size, size)
+
+    if isinstance(batch, dict):
+        return [{name: piece(c, k) for name, c in batch.items()} for k in range(num_micro_steps)]
+    return [tuple(piece(c, k) for c in batch) for k in range(num_micro_steps)]
+
+
+class AccumulatingTrainStep:
+    """`step(micro_batches) -> (mean loss Tensor, global grad norm float or None if not finite)`.
+
+    `loss_fn` takes one micro-batch (a dict as keyword-free single argument, or a tuple spread
+    as positional arguments) and returns the scalar loss. `group` may be None or inactive: then
+    nothing is recorded and the step costs what plain accumulation costs.
+    """
+
+    def __init__(self, loss_fn: Callable, optimizer, num_micro_steps: int, group=None,
+                 max_norm: float = 1.0, on_host: Optional[bool] = None):
+        if num_micro_steps < 1:
+            raise ValueError(f"num_micro_steps: got {num_micro_steps}; allowed: a positive int")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.num_micro_steps = num_micro_steps
+        self.group = group
+        self.max_norm = max_norm
+        self.on_host = host_is_device() if on_host is None else on_host
+        self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
+
+    def _scaled_loss(self, *args):
+        loss = self.loss_fn(*args)
+        return loss / self.num_micro_steps, ops.stop_gradient(loss)
+
+    def __call__(self, micro_batches: Sequence[Batch]):
+        group = self.group if self.group is not None and self.group.active else None
+        if group is not None:
+            group.reset()
+        losses, accumulated = [], None
+        for k, batch in enumerate(micro_batches):
+            args = (batch,) if isinstance(batch, dict) else tuple(batch)
+            (_, loss), grads = self.grad_fn(*args)
+            accumulated = grads if accumulated is None else tuple(a + g for a, g in zip(accumulated, grads))
+            losses.append(loss)
+            if group is not None:
+                context = {"micro_step": k}
+                group.record("local_loss", loss, context)
+                group.record("local_norm", GradientSnapshot(grads, accumulated), context)
+        mean_loss = sum(losses[1:], losses[0]) / len(losses)
+        grad_norm = self._global_norm(accumulated)
+        finite = bool(np.isfinite(grad_norm))
+        if finite:
+            self.optimizer(self._clip(accumulated, grad_norm))
+        if group is not None:
+            group.record("device_loss", mean_loss)
+            group.record("device_norm")
+        return mean_loss, (grad_norm if finite else None)
+
+    def _global_norm(self, grads) -> float:
+        norms = SquaredNorms(self.on_host)
+        norms.add("grads", grads)
+        return float(np.sqrt(norms.results()["grads"].sum()))
+
+    def _clip(self, grads, grad_norm: float):
+        if self.max_norm <= 0 or grad_norm <= self.max_norm:
+            return grads
+        scale = self.max_norm / grad_norm
+        return tuple(g * scale for g in grads)
