@@ -1,0 +1,73 @@
+"""Shared helpers: real MindSpore, the real MindFormers 1.9.0 Trainer, the demo model.
+
+MindFormers picks its log directory on first import, so it is pointed at a session temp dir
+before anything imports it.
+"""
+import copy
+import json
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("LOG_MF_PATH", tempfile.mkdtemp(prefix="mindmon-test-log-"))
+
+import mindspore as ms  # noqa: E402
+
+ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+
+SMALL_MODEL = {"vocab_size": 32, "hidden_size": 16, "ffn_hidden_size": 32, "num_layers": 2,
+               "num_attention_heads": 2, "seq_length": 8, "num_experts": 4, "moe_router_topk": 2,
+               "first_moe_layer": 1, "mtp_num_layers": 1}
+
+
+def trainer_config(output_dir, steps=2, local_batch_size=2, global_batch_size=8, monitor=None, **sections):
+    """A dict config for the stock Trainer, as a user would write the YAML."""
+    config = {
+        "training": {"steps": steps, "local_batch_size": local_batch_size,
+                     "global_batch_size": global_batch_size, "max_norm": 1.0, "seed": 7},
+        "model": {"model_type": "mindmon_demo", "architectures": "DemoMoEGPT", **SMALL_MODEL},
+        "optimizer": {"type": "AdamW", "weight_decay": 0.01},
+        "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1e-2, "warmup_steps": 0},
+        "train_dataset": {"dataloader": {"type": "MindDataset"}},
+        "checkpoint": {"enable_save": False},
+    }
+    if monitor is not None:
+        config["monitor"] = {"output_dir": str(output_dir), **monitor}
+    config.update(sections)
+    return config
+
+
+def make_model():
+    from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
+
+    return DemoMoEGPT(DemoModelConfig.from_dict(SMALL_MODEL))
+
+
+def make_data(config):
+    from mindmon.demo.data import make_dataset
+
+    training = config["training"]
+    return make_dataset(training["steps"] * training["global_batch_size"], SMALL_MODEL["seq_length"],
+                        SMALL_MODEL["vocab_size"], training["global_batch_size"], seed=3)
+
+
+def train(config, model=None):
+    """Train through the real MindFormers Trainer; returns the trainer."""
+    from mindformers.pynative.trainer import Trainer
+
+    model = model or make_model()
+    trainer = Trainer(config=copy.deepcopy(config), model=model, train_dataset=make_data(config))
+    trainer.train()
+    return trainer
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
