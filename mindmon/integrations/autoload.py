@@ -14,7 +14,8 @@ TRAINER_MODULE = "mindformers.pynative.trainer.trainer"
 
 
 def autoload_enabled() -> bool:
-    return os.environ.get("MINDMON_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+    """`MINDMON_AUTOLOAD=0` turns autoload off (the .pth line checks the same, before importing mindmon)."""
+    return os.environ.get("MINDMON_AUTOLOAD") != "0"
 
 
 class _TrainerImportHook(importlib.abc.MetaPathFinder):
