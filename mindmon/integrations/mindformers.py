@@ -115,6 +115,7 @@ def _attach(trainer, config: MindmonConfig) -> None:
                          logger=_mindformers_logger())
     for callback in group.callbacks():
         trainer.callback_handler.add_callback(callback)
+    _warn_not_collected(config)
     trainer._mindmon = SimpleNamespace(config=config, group=group, train_step=None)
 
 
@@ -128,3 +129,16 @@ def _training_step(self, model, inputs, grad_fn):
             lambda batch: self.compute_loss(model, batch), self.optimizer, self.num_accumulation_steps,
             group=state.group, max_norm=self.config.training.max_norm)
     return state.train_step(split_batch(inputs, self.num_accumulation_steps))
+
+
+def _warn_not_collected(config: MindmonConfig) -> None:
+    """Sections this version validates but does not act on yet: say so instead of staying silent."""
+    pending = []
+    if config.monitor.moe_monitor.active:
+        pending.append("monitor.moe_monitor (tokens per expert)")
+    if config.profiler.enable_profiling:
+        pending.append("profiler (MindSpore Profiler window)")
+    if pending:
+        _mindformers_logger().warning(
+            f"mindmon {__import__('mindmon').__version__}: {', '.join(pending)} validated but not collected "
+            f"yet in this version; nothing is written for it")
