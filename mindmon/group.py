@@ -59,9 +59,8 @@ class MonitorGroup:
 
     def setup(self, start_step: int = 0) -> None:
         """Open the sinks; a run resumed past step 0 appends to its metrics file."""
-        if self.sinks or not self.active:
-            return
-        self.sinks = [LogSink(self.logger), JsonlSink(self.config.output_dir, self.rank, append=start_step > 0)]
+        if not self.sinks:
+            self.sinks = [LogSink(self.logger), JsonlSink(self.config.output_dir, self.rank, append=start_step > 0)]
 
     def reset(self) -> None:
         for monitor in list(self.monitors):
@@ -73,11 +72,15 @@ class MonitorGroup:
                 self._guard(monitor, monitor.record, key, value, context)
 
     def flush(self, step: int) -> None:
-        if not self.sinks:
-            self.setup()
         records = []
         for monitor in list(self.monitors):
             records += self._guard(monitor, monitor.collect, step) or []
+        self.write(records)
+
+    def write(self, records) -> None:
+        """Send records to every sink; callbacks outside the group (MaxLogitsMonitor) use it too."""
+        if not self.sinks:
+            self.setup()
         for sink in self.sinks:
             try:
                 sink.write(records)

@@ -4,6 +4,7 @@ They live in `mindmon.callbacks`, not in a top-level `callbacks` package, becaus
 repositories have a `callbacks.py` of their own next to the launch script, which would shadow it.
 """
 from .base import TrainerCallback
+from .max_logits import MaxLogitsMonitor
 from .monitor_callback import MonitorCallback
 
-__all__ = ["MonitorCallback", "TrainerCallback"]
+__all__ = ["MaxLogitsMonitor", "MonitorCallback", "TrainerCallback"]

@@ -14,6 +14,7 @@ import inspect
 import os
 from types import SimpleNamespace
 
+from ..callbacks import MaxLogitsMonitor
 from ..config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml, parse_sections
 from ..group import MonitorGroup
 from ..step import AccumulatingTrainStep, split_batch
@@ -48,12 +49,22 @@ def enable() -> None:
             f"MindFormers {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}"
             + (f"; missing Trainer.{', Trainer.'.join(missing)}" if missing else "")
             + "). Install mindformers==1.9.0, or set MINDMON_AUTOLOAD=0 to train without mindmon.")
+    _register_callbacks()
     trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
     trainer_cls.training_step = _training_step
     trainer_cls._mindmon_attached = True
     _mindformers_logger().info(
         f"mindmon: attached to the MindFormers {version} PyNative Trainer (monitor/profiler/callbacks "
         f"sections, K micro-steps per step); set MINDMON_AUTOLOAD=0 to turn it off")
+
+
+def _register_callbacks() -> None:
+    """mindmon's PyNative MaxLogitsMonitor replaces the graph-mode class MindFormers registers
+    under the same name (the registry is a dict: the last registration wins)."""
+    from mindformers.tools.register.register import MindFormerModuleType, MindFormerRegister
+
+    MindFormerRegister.register_cls(MaxLogitsMonitor, module_type=MindFormerModuleType.CALLBACK,
+                                    alias="MaxLogitsMonitor")
 
 
 def _wrap_init(stock_init):
@@ -115,6 +126,11 @@ def _attach(trainer, config: MindmonConfig) -> None:
                          logger=_mindformers_logger())
     for callback in group.callbacks():
         trainer.callback_handler.add_callback(callback)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, MaxLogitsMonitor):
+            callback.group, callback.rank, callback.logger = group, group.rank, group.logger
+            if hasattr(trainer.model, "track_max_attention_logit"):
+                trainer.model.track_max_attention_logit = True  # tracking is never switched off here
     _warn_not_collected(config)
     trainer._mindmon = SimpleNamespace(config=config, group=group, train_step=None)
 

@@ -29,13 +29,13 @@ class LogSink:
         sink.write([Record(4, 2, 0, "local_loss", "loss", 0.123)])  # { "micro_step": 2, "local_loss": 0.123 }
     """
 
-    def __init__(self, logger: logging.Logger = None, rank_tag: str = ""):
+    def __init__(self, logger: logging.Logger = None):
         self.logger = logger or logging.getLogger("mindmon")
-        self.rank_tag = rank_tag
 
     def write(self, records: Iterable[Record]) -> None:
+        """Kinds without a documented line (micro_norm, max_attention_logit) are JSONL only."""
         for line in self.format(list(records)):
-            self.logger.info(self.rank_tag + line)
+            self.logger.info(line)
 
     @staticmethod
     def format(records: List[Record]) -> List[str]:

@@ -1,0 +1,103 @@
+"""MaxLogitsMonitor on the real Trainer: per-head values against numpy max(QK^T/sqrt(d)) of the same Q, K."""
+import os
+import re
+from collections import defaultdict
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import make_model, read_jsonl, train, trainer_config
+from mindmon.demo.model import CoreAttention
+
+
+def _capture_reference(model, steps_seen):
+    """Forward hooks on every core attention: numpy running max per (step, layer, head)."""
+    reference = defaultdict(lambda: None)
+
+    def hook(name):
+        def on_forward(cell, inputs, output):
+            q, k, _, mask = (t.asnumpy().astype(np.float64) for t in inputs)
+            d = cell.head_dim
+            heads = []
+            for h in range(cell.num_heads):
+                scores = q[:, h * d:(h + 1) * d] @ k[:, h * d:(h + 1) * d].T / np.sqrt(d)
+                heads.append(scores[mask == 0].max())
+            key = (steps_seen[0], name)
+            previous = reference[key]
+            reference[key] = np.array(heads) if previous is None else np.maximum(previous, heads)
+        return on_forward
+
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, CoreAttention):
+            cell.register_forward_hook(hook(cell.max_logits_val.name))
+    return reference
+
+
+class _StepCounter:
+    """A callback that tells the hooks which step is running (global_step + 1, 1-based)."""
+
+    def __init__(self, steps_seen):
+        self.steps_seen = steps_seen
+
+    def __getattr__(self, event):
+        def call(args, state, **kwargs):
+            if event == "on_step_begin":
+                self.steps_seen[0] = state.global_step + 1
+        return call
+
+
+def _run(tmp_path, interval, steps):
+    from mindformers.pynative.trainer import Trainer
+    from conftest import make_data
+
+    config = trainer_config(tmp_path, steps=steps, monitor={"train_state": {"device_loss": True}},
+                            callbacks=[{"type": "MaxLogitsMonitor", "step_interval": interval}])
+    model = make_model()
+    steps_seen = [0]
+    reference = _capture_reference(model, steps_seen)
+    trainer = Trainer(config=config, model=model, train_dataset=make_data(config),
+                      callbacks=[_StepCounter(steps_seen)])
+    trainer.train()
+    return trainer, reference, read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+
+
+def _mindformers_log():
+    return (Path(os.environ["LOG_MF_PATH"]) / "rank_0" / "info.log").read_text()
+
+
+def test_values_equal_numpy_every_step(tmp_path):
+    trainer, reference, records = _run(tmp_path, interval=1, steps=2)
+    assert type(trainer.callback_handler.callbacks[-2]).__module__ == "mindmon.callbacks.max_logits"
+    logged = [r for r in records if r["kind"] == "max_attention_logit"]
+    names = {name for (_, name) in reference}
+    assert len(names) == 3  # two decoder layers and the MTP layer
+    assert {(r["step"], r["name"]) for r in logged} == {(s, n) for s in (1, 2) for n in names}
+    for r in logged:
+        np.testing.assert_allclose(r["value"], reference[(r["step"], r["name"])], rtol=1e-5, atol=1e-6)
+    text = _mindformers_log()
+    for name in names:
+        heads = ", ".join(f"{v:.4g}" for v in reference[(2, name)])
+        assert f"step:[    2/    2] max_attention_logit/{name}: [{heads}]" in text
+    every_head = np.concatenate([reference[(2, n)] for n in sorted(names)])
+    assert f"step:[    2/    2] max_attention_logit/mean: {every_head.mean():.4g}" in text
+    assert f"step:[    2/    2] max_attention_logit/max: {every_head.max():.4g}" in text
+
+
+def test_interval_prints_every_third_step_and_resets_every_step(tmp_path):
+    _, reference, records = _run(tmp_path, interval=3, steps=6)
+    printed = sorted({int(m) for m in re.findall(r"step:\[\s+(\d+)/\s+6\] max_attention_logit/max", _mindformers_log())})
+    assert printed == [3, 6]
+    logged = [r for r in records if r["kind"] == "max_attention_logit"]
+    assert {r["step"] for r in logged} == {3, 6}
+    for r in logged:  # step 6 holds step 6's micro-steps only: the running max was reset at steps 4 and 5
+        np.testing.assert_allclose(r["value"], reference[(r["step"], r["name"])], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_interval_fails_at_construction():
+    from mindmon.callbacks import MaxLogitsMonitor
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="step_interval"):
+            MaxLogitsMonitor(step_interval=bad)
