@@ -41,6 +41,9 @@ class MaxLogitsMonitor(TrainerCallback):
         model = kwargs.get("model")
         if model is not None and hasattr(model, "track_max_attention_logit"):
             model.track_max_attention_logit = True
+        if model is not None and not hasattr(model, "get_max_attention_logit"):
+            self.logger.warning(f"mindmon: MaxLogitsMonitor: {type(model).__name__} has no "
+                                f"get_max_attention_logit()/reset_max_attention_logit(); nothing will be logged")
 
     def on_step_end(self, args, state, **kwargs):
         model = kwargs.get("model")
