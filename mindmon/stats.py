@@ -9,7 +9,7 @@ Example:
     norms.add(("accumulated", 0), grads)
     norms.results()[("accumulated", 0)]  # np.ndarray, one float64 per tensor
 """
-from typing import Dict, Hashable, List, Sequence
+from typing import Dict, Hashable, Sequence
 
 import numpy as np
 
@@ -64,7 +64,3 @@ def to_float(value) -> float:
     if hasattr(value, "asnumpy"):
         return float(value.asnumpy())
     return float(value)
-
-
-def global_norm(squared: List[float]) -> float:
-    return float(np.sqrt(np.sum(squared)))

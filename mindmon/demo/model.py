@@ -10,7 +10,7 @@ Example:
     model.set_train(True)
     (loss,) = model(input_ids, labels)
 """
-from dataclasses import dataclass, asdict, fields
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Dict, List
 
@@ -378,6 +378,3 @@ class DemoMoEGPT(nn.Cell):
             moe_shared_expert_intermediate_size=None, mtp_num_layers=cfg.mtp_num_layers,
             multi_latent_attention=False, hidden_act="gelu", q_lora_rank=None, kv_lora_rank=None,
             qk_head_dim=head_dim, qk_pos_emb_head_dim=0, v_head_dim=head_dim)
-
-    def model_config_dict(self) -> dict:
-        return asdict(self.config)
