@@ -9,6 +9,17 @@ MICRO_NORM = "micro_norm"      # |g_k|: norm of micro-batch k's own contribution
 DEVICE_NORM = "device_norm"    # A_{K-1}: norm of the accumulated gradient, before clipping
 DEVICE_LOSS = "device_loss"    # mean of the step's micro-batch losses
 
+# Kinds written by MaxLogitsMonitor and the MoE monitor; `name` is the layer.
+MAX_ATTENTION_LOGIT = "max_attention_logit"   # list, per head: running max of QK^T/sqrt(d) over the step
+TOKENS_PER_EXPERT = "tokens_per_expert"       # list, per expert: tokens routed in one micro-step
+# Per-step load summaries of one MoE layer (over the step's micro-steps, this rank).
+MOE_MAX_OVER_MEAN = "moe_max_over_mean"       # busiest expert's tokens / mean tokens per expert
+MOE_CV = "moe_cv"                             # coefficient of variation (std / mean) of tokens per expert
+MOE_MIN_TOKENS = "moe_min_tokens"
+MOE_MAX_TOKENS = "moe_max_tokens"
+MOE_IDLE_EXPERTS = "moe_idle_experts"         # experts that got no token in the step
+MOE_SUMMARY_KINDS = (MOE_MAX_OVER_MEAN, MOE_CV, MOE_MIN_TOKENS, MOE_MAX_TOKENS, MOE_IDLE_EXPERTS)
+
 
 @dataclass(frozen=True)
 class Record:

@@ -5,10 +5,8 @@ from typing import Dict, List
 import numpy as np
 
 from ..config import check_step_interval
-from ..records import Record
+from ..records import MAX_ATTENTION_LOGIT, Record
 from .base import TrainerCallback
-
-MAX_ATTENTION_LOGIT = "max_attention_logit"
 
 
 def _four_digits(value: float) -> str:
