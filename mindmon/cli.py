@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train the embedded MoE GPT demo through the stock MindFormers Trainer")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: the YAML's, 20)")
     demo.add_argument("--output", default="./output", help="where logs and metrics go (default: ./output)")
-    demo.add_argument("--config", default=None, help="training YAML (default: the shipped configs/demo.yaml)")
+    demo.add_argument("--config", default=None, help="YAML laid over the shipped configs/demo.yaml: its sections replace the demo's, two levels deep (e.g. a file with only monitor: or profiler:)")
     demo.set_defaults(handler=_demo)
     check = commands.add_parser("check-config", help="validate the monitor/profiler/callbacks sections of a YAML")
     check.add_argument("file")

@@ -22,13 +22,32 @@ def default_config() -> str:
     raise FileNotFoundError("configs/demo.yaml not found; reinstall mindmon or pass --config")
 
 
-def _with_overrides(config_path: str, steps: Optional[int], output: Optional[str]) -> dict:
-    with open(config_path, "r", encoding="utf-8") as handle:
-        config = yaml.safe_load(handle)
+def overlay(base: dict, scenario: dict) -> dict:
+    """The demo config with a scenario's sections laid over it, two levels deep: a scenario's
+    `monitor.train_state` replaces the demo's whole `train_state`, while `monitor.output_dir` and
+    the other sections the scenario does not mention stay. Lists (`callbacks`) replace."""
+    merged = dict(base)
+    for section, value in scenario.items():
+        if isinstance(value, dict) and isinstance(base.get(section), dict):
+            merged[section] = {**base[section], **value}
+        else:
+            merged[section] = value
+    return merged
+
+
+def _read(path: str) -> dict:
+    with open(path, "r", encoding="utf-8") as handle:
+        return yaml.safe_load(handle) or {}
+
+
+def _with_overrides(config_path: Optional[str], steps: Optional[int], output: Optional[str]) -> dict:
+    config = _read(default_config())
+    if config_path is not None:
+        config = overlay(config, _read(config_path))
     if steps is not None:
-        config["training"]["steps"] = steps
+        config["training"] = {**config["training"], "steps": steps}
     if output is not None:
-        config.setdefault("monitor", {})["output_dir"] = os.path.join(output, "monitor")
+        config["monitor"] = {**config.get("monitor", {}), "output_dir": os.path.join(output, "monitor")}
     return config
 
 
@@ -44,7 +63,7 @@ def run(config_path: Optional[str] = None, steps: Optional[int] = None, output: 
     from .data import make_dataset
     from .model import DemoModelConfig, DemoMoEGPT
 
-    config = _with_overrides(config_path or default_config(), steps, output)
+    config = _with_overrides(config_path, steps, output)
     model_config = DemoModelConfig.from_dict(config["model"])
     training = config["training"]
     dataset = make_dataset(num_samples=training["steps"] * training["global_batch_size"],
