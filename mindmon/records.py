@@ -1,6 +1,6 @@
 """The record that flows from a monitor to the sinks."""
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 # Kinds written by the train_state monitor.
 LOCAL_LOSS = "local_loss"      # loss of one micro-batch (not divided by K)
@@ -20,11 +20,17 @@ MOE_MAX_TOKENS = "moe_max_tokens"
 MOE_IDLE_EXPERTS = "moe_idle_experts"         # experts that got no token in the step
 MOE_SUMMARY_KINDS = (MOE_MAX_OVER_MEAN, MOE_CV, MOE_MIN_TOKENS, MOE_MAX_TOKENS, MOE_IDLE_EXPERTS)
 
+# Per-step values the trainer hands to callbacks at step end (MonitorCallback); micro_step is None.
+LOSS = "loss"                      # name "loss": the step's loss the trainer returns (mean of its micro-batch losses)
+GRAD_NORM = "grad_norm"            # name "global": global norm of the accumulated gradient, before clipping
+LEARNING_RATE = "learning_rate"    # name "lr": lr_scheduler(step), as MindFormers' LossCallback prints it
+SAMPLES = "samples"                # name "consumed": samples consumed after the step (step x global batch size)
+
 
 @dataclass(frozen=True)
 class Record:
     """One value: `step` is 1-based like MindFormers' `step:[  1/ 20]`; `micro_step` is 0-based,
-    None for step-level values."""
+    None for step-level values. `value` is a float, or a list (per head, per expert)."""
 
     step: int
     micro_step: Optional[int]
@@ -32,7 +38,20 @@ class Record:
     kind: str
     name: str
     value: Union[float, List[float]]
+    iteration: Optional[int] = None  # global micro-step count, where upstream prints one (`iter`)
 
     def to_json(self) -> dict:
-        return {"step": self.step, "micro_step": self.micro_step, "rank": self.rank,
-                "kind": self.kind, "name": self.name, "value": self.value}
+        out = {"step": self.step, "micro_step": self.micro_step, "rank": self.rank,
+               "kind": self.kind, "name": self.name, "value": self.value}
+        if self.iteration is not None:
+            out["iter"] = self.iteration
+        return out
+
+
+def moe_layer_fields(name: str) -> Dict[str, Union[str, int]]:
+    """Megatron's fields for an MoE layer record name: `decoder.layers.3` -> block, layer;
+    `mtp.layers.0` -> block, mtp_idx, layer (the MTP module's one transformer layer, 0)."""
+    block, _, index = name.split(".")
+    if block == "mtp":
+        return {"block": "mtp", "mtp_idx": int(index), "layer": 0}
+    return {"block": block, "layer": int(index)}

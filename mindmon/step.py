@@ -72,6 +72,7 @@ class AccumulatingTrainStep:
         group = self.group if self.group is not None and self.group.active else None
         if group is not None:
             group.reset()
+            group.record("moe_tpe_step_begin")
         losses, accumulated = [], None
         for k, batch in enumerate(micro_batches):
             args = (batch,) if isinstance(batch, dict) else tuple(batch)
@@ -82,6 +83,7 @@ class AccumulatingTrainStep:
                 context = {"micro_step": k}
                 group.record("local_loss", loss, context)
                 group.record("local_norm", GradientSnapshot(grads, accumulated), context)
+                group.record("moe_tpe", context=context)
         mean_loss = sum(losses[1:], losses[0]) / len(losses)
         grad_norm = self._global_norm(accumulated)
         finite = bool(np.isfinite(grad_norm))

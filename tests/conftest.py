@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +62,24 @@ def train(config, model=None):
     trainer = Trainer(config=copy.deepcopy(config), model=model, train_dataset=make_data(config))
     trainer.train()
     return trainer
+
+
+class StepCounter:
+    """A callback that tells forward hooks which step is running (global_step + 1, 1-based)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def __getattr__(self, event):
+        def call(args, state, **kwargs):
+            if event == "on_step_begin":
+                self.step = state.global_step + 1
+        return call
+
+
+def mindformers_log():
+    """The MindFormers log of this test session (every test appends to it)."""
+    return (Path(os.environ["LOG_MF_PATH"]) / "rank_0" / "info.log").read_text()
 
 
 def read_jsonl(path):

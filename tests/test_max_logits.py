@@ -1,18 +1,15 @@
 """MaxLogitsMonitor on the real Trainer: per-head values against numpy max(QK^T/sqrt(d)) of the same Q, K."""
-import os
 import re
 from collections import defaultdict
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import make_model, read_jsonl, train, trainer_config
+from conftest import StepCounter, make_model, mindformers_log, read_jsonl, trainer_config
 from mindmon.demo.model import CoreAttention
 
 
-def _capture_reference(model, steps_seen):
+def _capture_reference(model, counter):
     """Forward hooks on every core attention: numpy running max per (step, layer, head)."""
     reference = defaultdict(lambda: None)
 
@@ -24,7 +21,7 @@ def _capture_reference(model, steps_seen):
             for h in range(cell.num_heads):
                 scores = q[:, h * d:(h + 1) * d] @ k[:, h * d:(h + 1) * d].T / np.sqrt(d)
                 heads.append(scores[mask == 0].max())
-            key = (steps_seen[0], name)
+            key = (counter.step, name)
             previous = reference[key]
             reference[key] = np.array(heads) if previous is None else np.maximum(previous, heads)
         return on_forward
@@ -35,19 +32,6 @@ def _capture_reference(model, steps_seen):
     return reference
 
 
-class _StepCounter:
-    """A callback that tells the hooks which step is running (global_step + 1, 1-based)."""
-
-    def __init__(self, steps_seen):
-        self.steps_seen = steps_seen
-
-    def __getattr__(self, event):
-        def call(args, state, **kwargs):
-            if event == "on_step_begin":
-                self.steps_seen[0] = state.global_step + 1
-        return call
-
-
 def _run(tmp_path, interval, steps):
     from mindformers.pynative.trainer import Trainer
     from conftest import make_data
@@ -55,16 +39,12 @@ def _run(tmp_path, interval, steps):
     config = trainer_config(tmp_path, steps=steps, monitor={"train_state": {"device_loss": True}},
                             callbacks=[{"type": "MaxLogitsMonitor", "step_interval": interval}])
     model = make_model()
-    steps_seen = [0]
-    reference = _capture_reference(model, steps_seen)
+    counter = StepCounter()
+    reference = _capture_reference(model, counter)
     trainer = Trainer(config=config, model=model, train_dataset=make_data(config),
-                      callbacks=[_StepCounter(steps_seen)])
+                      callbacks=[counter])
     trainer.train()
     return trainer, reference, read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
-
-
-def _mindformers_log():
-    return (Path(os.environ["LOG_MF_PATH"]) / "rank_0" / "info.log").read_text()
 
 
 def test_values_equal_numpy_every_step(tmp_path):
@@ -76,7 +56,7 @@ def test_values_equal_numpy_every_step(tmp_path):
     assert {(r["step"], r["name"]) for r in logged} == {(s, n) for s in (1, 2) for n in names}
     for r in logged:
         np.testing.assert_allclose(r["value"], reference[(r["step"], r["name"])], rtol=1e-5, atol=1e-6)
-    text = _mindformers_log()
+    text = mindformers_log()
     for name in names:
         heads = ", ".join(f"{v:.4g}" for v in reference[(2, name)])
         assert f"step:[    2/    2] max_attention_logit/{name}: [{heads}]" in text
@@ -87,7 +67,7 @@ def test_values_equal_numpy_every_step(tmp_path):
 
 def test_interval_prints_every_third_step_and_resets_every_step(tmp_path):
     _, reference, records = _run(tmp_path, interval=3, steps=6)
-    printed = sorted({int(m) for m in re.findall(r"step:\[\s+(\d+)/\s+6\] max_attention_logit/max", _mindformers_log())})
+    printed = sorted({int(m) for m in re.findall(r"step:\[\s+(\d+)/\s+6\] max_attention_logit/max", mindformers_log())})
     assert printed == [3, 6]
     logged = [r for r in records if r["kind"] == "max_attention_logit"]
     assert {r["step"] for r in logged} == {3, 6}

@@ -1,0 +1,167 @@
+"""`monitor.moe_monitor`: tokens per expert, per micro-step and MoE layer (seed 000, section 1.2).
+
+The model keeps a cumulative `tokens_per_expert` count in each MoE layer (MindFormers' MoE layer and
+the demo's do; `mindmon.probes` adds one to a router that lacks it). The monitor snapshots every
+selected layer's count at step begin and after each micro-step; the difference of two snapshots is
+what one micro-batch routed. Micro-step k of step s is global micro-step `iter = (s - 1) * K + k`
+(0-based, as upstream prints it); it is written when `iter % save_tokens_per_expert_interval == 0`.
+"""
+import logging
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..config import ConfigError, MoEMonitorConfig
+from ..records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
+                       TOKENS_PER_EXPERT, Record)
+
+STEP_BEGIN = "moe_tpe_step_begin"
+MICRO_STEP_END = "moe_tpe"
+
+_DECODER_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)(?:\.|$)")
+_MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One counter: `name` is how records call the layer (`decoder.layers.1`, `mtp.layers.0`),
+    `module` is the cell that holds `tokens_per_expert`."""
+
+    name: str
+    module: str
+
+
+def find_moe_layers(model) -> Dict[str, tuple]:
+    """{record name: (MoELayer, cell)} for every cell with a `tokens_per_expert` tensor, in model order.
+
+    MTP layers (`mtp.layers.<i>...`) are matched first, since their inner transformer layer may
+    itself be named like a decoder layer.
+    """
+    found = {}
+    for module, cell in model.cells_and_names():
+        if getattr(cell, "tokens_per_expert", None) is None:
+            continue
+        mtp, decoder = _MTP_LAYER.search(module), _DECODER_LAYER.search(module)
+        if mtp:
+            layer = MoELayer(f"mtp.layers.{mtp.group(1)}", module)
+        elif decoder:
+            layer = MoELayer(f"decoder.layers.{decoder.group(1)}", module)
+        else:
+            raise ConfigError(f"monitor.moe_monitor: the MoE module {module!r} is neither under "
+                              f"'decoder.layers.<L>' nor 'mtp.layers.<i>'; allowed: MindFormers-style names")
+        found.setdefault(layer.name, (layer, cell))
+    return found
+
+
+def decoder_layer_count(model) -> int:
+    ids = {int(m.group(1)) for name, _ in model.cells_and_names() for m in [_DECODER_LAYER.search(name)] if m}
+    return max(ids) + 1 if ids else 0
+
+
+def select_layers(model, config: MoEMonitorConfig, logger: logging.Logger) -> List[tuple]:
+    """The (MoELayer, cell) pairs `target_layers` asks for; a target that is no MoE layer is
+    logged and skipped, one that does not exist is an error."""
+    found = find_moe_layers(model)
+    key = "monitor.moe_monitor.target_layers"
+    if config.target_layers is None:
+        selected = list(found.values())
+    else:
+        targets = range(config.target_layers) if isinstance(config.target_layers, int) else config.target_layers
+        count = decoder_layer_count(model)
+        missing = [t for t in targets if t >= count]
+        if missing:
+            raise ConfigError(f"{key}: got {config.target_layers!r}; decoder layer(s) {missing} do not exist; "
+                              f"allowed: ids 0..{count - 1} (the model has {count} decoder layers)")
+        selected = []
+        for target in targets:
+            name = f"decoder.layers.{target}"
+            if name in found:
+                selected.append(found[name])
+            else:
+                logger.warning(f"{name} is not a MoE layer")
+    if not selected:
+        raise ConfigError(f"{key}: got {config.target_layers!r}, which selects no MoE layer (no module with "
+                          f"tokens_per_expert; found: {sorted(found) or 'none'}); allowed: ids of MoE layers, "
+                          f"or attach counters with mindmon.probes.attach_tokens_per_expert_probes")
+    return selected
+
+
+class MoETokensMonitor:
+    """Records `tokens_per_expert` per selected micro-step and layer, and per-step load summaries.
+
+    Example:
+        monitor = MoETokensMonitor(MoEMonitorConfig(save_tokens_per_expert_interval=1), model, rank=0)
+        monitor.record("moe_tpe_step_begin")
+        for k, batch in enumerate(micro_batches):
+            train_micro_step(batch)
+            monitor.record("moe_tpe", context={"micro_step": k})
+        records = monitor.collect(step=1)   # tokens_per_expert, moe_cv, moe_idle_experts, ...
+    """
+
+    KEYS = (STEP_BEGIN, MICRO_STEP_END)
+
+    def __init__(self, config: MoEMonitorConfig, model, rank: int = 0, on_host: bool = True,
+                 logger: Optional[logging.Logger] = None):
+        self.config = config
+        self.rank = rank
+        self.on_host = on_host
+        selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
+        self.layers = [layer for layer, _ in selected]
+        self.cells = [cell for _, cell in selected]
+        self.reset()
+
+    def reset(self) -> None:
+        self._snapshots: List = []
+
+    def record(self, key: str, value=None, context=None) -> None:
+        if key == STEP_BEGIN:
+            self._snapshots = [self._snapshot()]
+        elif key == MICRO_STEP_END and self._snapshots:
+            self._snapshots.append(self._snapshot())
+
+    def _snapshot(self):
+        """The cumulative counts of every selected layer, copied (the model keeps adding to them)."""
+        counts = [cell.tokens_per_expert for cell in self.cells]
+        if self.on_host:
+            return np.stack([c.asnumpy() for c in counts]).astype(np.float64)
+        from mindspore import ops
+
+        return ops.stack(counts)
+
+    def collect(self, step: int) -> List[Record]:
+        if len(self._snapshots) < 2:
+            self.reset()
+            return []
+        counts = self._to_host(self._snapshots)            # (K + 1, layers, experts), cumulative
+        per_micro_step = np.rint(np.diff(counts, axis=0)).astype(np.int64)
+        self.reset()
+        num_micro_steps = per_micro_step.shape[0]
+        records = []
+        for micro_step, routed in enumerate(per_micro_step):
+            iteration = (step - 1) * num_micro_steps + micro_step
+            if iteration % self.config.save_tokens_per_expert_interval == 0:
+                records += [Record(step, micro_step, self.rank, TOKENS_PER_EXPERT, layer.name,
+                                   [int(v) for v in tokens], iteration)
+                            for layer, tokens in zip(self.layers, routed)]
+        for layer, step_tokens in zip(self.layers, per_micro_step.sum(axis=0)):
+            records += self._summaries(step, layer.name, step_tokens)
+        return records
+
+    @staticmethod
+    def _to_host(snapshots: Sequence) -> np.ndarray:
+        if isinstance(snapshots[0], np.ndarray):
+            return np.stack(snapshots)
+        from mindspore import ops
+
+        return ops.stack(list(snapshots)).asnumpy().astype(np.float64)  # one transfer per step
+
+    def _summaries(self, step: int, name: str, tokens: np.ndarray) -> List[Record]:
+        values = {MOE_MIN_TOKENS: float(tokens.min()), MOE_MAX_TOKENS: float(tokens.max()),
+                  MOE_IDLE_EXPERTS: float((tokens == 0).sum())}
+        mean = float(tokens.mean())
+        if mean > 0:
+            values[MOE_MAX_OVER_MEAN] = float(tokens.max()) / mean
+            values[MOE_CV] = float(tokens.std()) / mean
+        return [Record(step, None, self.rank, kind, name, value) for kind, value in values.items()]
