@@ -5,7 +5,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from conftest import StepCounter, make_model, mindformers_log, read_jsonl, trainer_config
+from conftest import StepCounter, make_data, make_model, mindformers_log, read_jsonl, trainer_config
 from mindmon.demo.model import CoreAttention
 
 
@@ -34,7 +34,6 @@ def _capture_reference(model, counter):
 
 def _run(tmp_path, interval, steps):
     from mindformers.pynative.trainer import Trainer
-    from conftest import make_data
 
     config = trainer_config(tmp_path, steps=steps, monitor={"train_state": {"device_loss": True}},
                             callbacks=[{"type": "MaxLogitsMonitor", "step_interval": interval}])
@@ -81,3 +80,54 @@ def test_bad_interval_fails_at_construction():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="step_interval"):
             MaxLogitsMonitor(step_interval=bad)
+
+
+def _muon_run(tmp_path, optimizer_section, callbacks=None):
+    """The YAML names Muon with QK clip; 1.9.0 cannot build Muon from config (it builds AdamW only),
+    so, as a 1.9.0 user would, the launch script passes optimizer and scheduler instances."""
+    from mindformers.core.optim.adamw import AdamW
+    from mindformers.pynative.trainer import Trainer
+    from mindspore.nn.learning_rate_schedule import PolynomialDecayLR
+
+    config = trainer_config(tmp_path, monitor={"train_state": {"device_loss": True}}, optimizer=optimizer_section,
+                            **({"callbacks": callbacks} if callbacks else {}))
+    model = make_model()
+    counter = StepCounter()
+    reference = _capture_reference(model, counter)
+    schedule = PolynomialDecayLR(1e-2, 1e-3, decay_steps=2, power=1.0)
+    trainer = Trainer(config=config, model=model, train_dataset=make_data(config), callbacks=[counter],
+                      optimizer=AdamW(model.trainable_params(), learning_rate=schedule), lr_scheduler=schedule)
+    trainer.train()
+    return trainer, model, reference, read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+
+
+def test_muon_qk_clip_turns_tracking_on_and_adds_a_resetting_monitor(tmp_path):
+    from mindmon.callbacks import MaxLogitsMonitor
+
+    trainer, model, reference, records = _muon_run(tmp_path, {"type": "Muon", "qk_clip_enabled": True})
+    added = [c for c in trainer.callback_handler.callbacks if isinstance(c, MaxLogitsMonitor)]
+    assert len(added) == 1 and added[0].step_interval == 1
+    assert model.track_max_attention_logit is True
+    logged = [r for r in records if r["kind"] == "max_attention_logit"]
+    assert {r["step"] for r in logged} == {1, 2}
+    for r in logged:  # step 2 equals step 2's own max: the added monitor reset it after step 1
+        np.testing.assert_allclose(r["value"], reference[(r["step"], r["name"])], rtol=1e-5, atol=1e-6)
+
+
+def test_muon_with_explicit_monitor_keeps_its_interval(tmp_path):
+    from mindmon.callbacks import MaxLogitsMonitor
+
+    trainer, model, _, records = _muon_run(tmp_path, {"type": "Muon", "qk_clip_enabled": True},
+                                           callbacks=[{"type": "MaxLogitsMonitor", "step_interval": 2}])
+    monitors = [c for c in trainer.callback_handler.callbacks if isinstance(c, MaxLogitsMonitor)]
+    assert [m.step_interval for m in monitors] == [2]
+    assert {r["step"] for r in records if r["kind"] == "max_attention_logit"} == {2}
+
+
+def test_qk_clip_without_muon_does_not_track(tmp_path):
+    from mindmon.callbacks import MaxLogitsMonitor
+
+    trainer, model, _, records = _muon_run(tmp_path, {"type": "AdamW", "qk_clip_enabled": True})
+    assert not any(isinstance(c, MaxLogitsMonitor) for c in trainer.callback_handler.callbacks)
+    assert model.track_max_attention_logit is False
+    assert "optimizer.qk_clip_enabled is True but the optimizer is AdamW, not Muon" in mindformers_log()
