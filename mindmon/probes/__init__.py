@@ -1,0 +1,10 @@
+"""Model-side accumulators, attached by forward hooks, for models that do not keep them.
+
+MaxLogitsMonitor reads `get_max_attention_logit()` and the MoE monitor reads `tokens_per_expert`;
+MindFormers' newer models and the demo keep these themselves, most MindSpore models do not. The
+probes add them to named cells, so both monitors work unchanged on such a model.
+"""
+from .max_logits import MaxLogitProbes, attach_max_logit_probes
+from .tokens_per_expert import TokensPerExpertProbes, attach_tokens_per_expert_probes
+
+__all__ = ["MaxLogitProbes", "TokensPerExpertProbes", "attach_max_logit_probes", "attach_tokens_per_expert_probes"]
