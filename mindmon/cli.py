@@ -2,6 +2,7 @@
 
     mindmon demo [--steps N] [--output DIR] [--config FILE]   train the embedded demo
     mindmon check-config FILE.yaml                            validate and print the resolved sections
+    mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
 """
 import argparse
 import os
@@ -33,6 +34,18 @@ def _demo(args) -> int:
     return 0
 
 
+def _profile_summary(args) -> int:
+    from .profile_summary import NoProfileData, format_trace, summarize
+
+    try:
+        traces = summarize(args.dir, by=args.by)
+    except NoProfileData as error:
+        print(f"mindmon: {error}", file=sys.stderr)
+        return 1
+    print("\n\n".join(format_trace(trace, top=args.top, by=args.by) for trace in traces))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindmon", description="Training monitors for MindSpore/MindFormers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate the monitor/profiler/callbacks sections of a YAML")
     check.add_argument("file")
     check.set_defaults(handler=_check_config)
+    summary = commands.add_parser("profile-summary", help="print the operators that took the most time in the "
+                                  "profiler output under DIR (output_path, rank_<r> or one *_ascend_ms trace folder)")
+    summary.add_argument("dir")
+    summary.add_argument("--top", type=int, default=10, help="how many operators to print per trace (default: 10)")
+    summary.add_argument("--by", choices=("type", "name"), default="type",
+                         help="group by operator type (MatMul) or by full operator name (default: type)")
+    summary.set_defaults(handler=_profile_summary)
     return parser
 
 

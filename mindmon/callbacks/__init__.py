@@ -6,5 +6,6 @@ repositories have a `callbacks.py` of their own next to the launch script, which
 from .base import TrainerCallback
 from .max_logits import MaxLogitsMonitor
 from .monitor_callback import MonitorCallback
+from .profiler import ProfilerCallback
 
-__all__ = ["MaxLogitsMonitor", "MonitorCallback", "TrainerCallback"]
+__all__ = ["MaxLogitsMonitor", "MonitorCallback", "ProfilerCallback", "TrainerCallback"]
