@@ -7,7 +7,7 @@ so it can stand in for that trainer's monitor.
 import logging
 from typing import List, Optional, Sequence
 
-from .config import MonitorConfig
+from .config import MonitorConfig, ProfilerConfig
 from .monitors import TrainStateMonitor
 from .sinks import JsonlSink, LogSink
 from .stats import host_is_device
@@ -30,8 +30,10 @@ class MonitorGroup:
     """
 
     def __init__(self, config: MonitorConfig, model=None, parameter_names: Sequence[str] = (),
-                 rank: int = 0, logger: Optional[logging.Logger] = None, on_host: Optional[bool] = None):
+                 rank: int = 0, logger: Optional[logging.Logger] = None, on_host: Optional[bool] = None,
+                 profiler: Optional[ProfilerConfig] = None):
         self.config = config
+        self.profiler = profiler  # the `profiler:` section; None = no profiling
         self.model = model
         self.rank = rank
         self.logger = logger or logging.getLogger("mindmon")
@@ -49,10 +51,14 @@ class MonitorGroup:
         return any(key in monitor.KEYS for monitor in self.monitors)
 
     def callbacks(self) -> list:
-        """The callbacks to register with the trainer: one that flushes at every step end."""
-        from .callbacks import MonitorCallback
+        """The callbacks to register with the trainer: one that flushes at every step end, and the
+        profiler's when `enable_profiling` is on and this rank is in `profiler_rank`."""
+        from .callbacks import MonitorCallback, ProfilerCallback
 
-        return [MonitorCallback(self)] if self.active else []
+        callbacks = [MonitorCallback(self)] if self.active else []
+        if self.profiler is not None and self.profiler.enable_profiling and self.profiler.selects_rank(self.rank):
+            callbacks.append(ProfilerCallback(self.profiler, self.rank, self.logger))
+        return callbacks
 
     def set_model(self, model) -> None:
         self.model = model

@@ -123,7 +123,7 @@ def _attach(trainer, config: MindmonConfig) -> None:
             f"allowed: a multiple, so that every step runs whole micro-batches")
     names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
     group = MonitorGroup(config.monitor, model=trainer.model, parameter_names=names, rank=_rank(),
-                         logger=_mindformers_logger())
+                         logger=_mindformers_logger(), profiler=config.profiler)
     for callback in group.callbacks():
         trainer.callback_handler.add_callback(callback)
     for callback in trainer.callback_handler.callbacks:
@@ -152,8 +152,6 @@ def _warn_not_collected(config: MindmonConfig) -> None:
     pending = []
     if config.monitor.moe_monitor.active:
         pending.append("monitor.moe_monitor (tokens per expert)")
-    if config.profiler.enable_profiling:
-        pending.append("profiler (MindSpore Profiler window)")
     if pending:
         _mindformers_logger().warning(
             f"mindmon {__import__('mindmon').__version__}: {', '.join(pending)} validated but not collected "
