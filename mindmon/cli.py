@@ -1,12 +1,16 @@
 """The `mindmon` command.
 
-    mindmon demo [--steps N] [--output DIR] [--config FILE]   train the embedded demo
+    mindmon demo [--steps N] [--output DIR] [--config FILE] [--workers N]   train the embedded demo
+    mindmon merge RUN_DIR [-o FILE.csv] [--factor F]           one table across ranks, outlier ranks flagged
     mindmon check-config FILE.yaml                            validate and print the resolved sections
+    mindmon report | parse-log | to-tensorboard ...           see mindmon/view_commands.py
     mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
 """
 import argparse
 import os
 import sys
+
+from .view_commands import add_commands as add_view_commands
 
 
 def _check_config(args) -> int:
@@ -22,6 +26,13 @@ def _check_config(args) -> int:
 
 def _demo(args) -> int:
     output = os.path.abspath(args.output)
+    if args.workers > 1:
+        from .demo.launch import launch
+
+        code = launch(args.workers, output, args.steps, args.config and os.path.abspath(args.config))
+        print(f"mindmon demo: {args.workers} workers exited with {code}; per-rank outputs in "
+              f"{output}/monitor/rank_<r>, logs in {output}/log/rank_<r> and {output}/msrun/worker_<r>.log")
+        return code
     # MindFormers picks its log directory when it is first imported.
     os.environ.setdefault("LOG_MF_PATH", os.path.join(output, "log"))
     from .demo.train import run
@@ -29,8 +40,24 @@ def _demo(args) -> int:
     config = run(args.config, steps=args.steps, output=output)
     monitor_dir = config.get("monitor", {}).get("output_dir", "./output/monitor")
     print(f"mindmon demo: trained {config['training']['steps']} steps")
-    print(f"  metrics (JSONL): {os.path.join(monitor_dir, 'rank_0', 'metrics.jsonl')}")
+    rank = os.environ.get("RANK_ID", "0")
+    print(f"  metrics (JSONL): {os.path.join(monitor_dir, f'rank_{rank}', 'metrics.jsonl')}")
     print(f"  training log:    {os.environ['LOG_MF_PATH']}")
+    return 0
+
+
+def _merge(args) -> int:
+    from .merge import merge
+
+    try:
+        path, flagged = merge(args.run_dir, args.output, args.factor)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"mindmon merge: {error}", file=sys.stderr)
+        return 1
+    print(f"mindmon merge: wrote {path}; {len(flagged)} row(s) with a rank that stands out")
+    for row in flagged[:10]:
+        print(f"  step {row[2]} micro_step {row[3] if row[3] != '' else '-'} {row[0]} {row[1]}: rank {row[-1]} "
+              f"(min {row[5]:.6g}, max {row[6]:.6g})")
     return 0
 
 
@@ -52,8 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train the embedded MoE GPT demo through the stock MindFormers Trainer")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: the YAML's, 20)")
     demo.add_argument("--output", default="./output", help="where logs and metrics go (default: ./output)")
+    demo.add_argument("--workers", type=int, default=1,
+                      help="data-parallel processes, started with msrun (default: 1, this process)")
     demo.add_argument("--config", default=None, help="YAML laid over the shipped configs/demo.yaml: its sections replace the demo's, two levels deep (e.g. a file with only monitor: or profiler:)")
     demo.set_defaults(handler=_demo)
+    merge = commands.add_parser("merge", help="one CSV across ranks: min, max, mean and the rank of the max per "
+                                "metric and step; flags a rank whose local loss or norm stands out")
+    merge.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output)")
+    merge.add_argument("-o", "--output", default=None, help="CSV to write (default: RUN_DIR/merged.csv)")
+    merge.add_argument("--factor", type=float, default=5.0,
+                       help="flag a local_loss/micro_norm above FACTOR x the median of the other ranks (default: 5)")
+    merge.set_defaults(handler=_merge)
     check = commands.add_parser("check-config", help="validate the monitor/profiler/callbacks sections of a YAML")
     check.add_argument("file")
     check.set_defaults(handler=_check_config)
@@ -64,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("--by", choices=("type", "name"), default="type",
                          help="group by operator type (MatMul) or by full operator name (default: type)")
     summary.set_defaults(handler=_profile_summary)
+    add_view_commands(commands)   # report, parse-log, to-tensorboard
     return parser
 
 

@@ -163,19 +163,70 @@ class MoEMonitorConfig:
         return {"save_tokens_per_expert_interval": self.save_tokens_per_expert_interval, "target_layers": layers}
 
 
-# MindFormers' own monitor keys; mindmon leaves them to the stock config.
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """`monitor.tensorboard`: MindFormers' own key, which its 1.9.0 PyNative Trainer accepts but
+    never acts on; mindmon honours it. A non-empty `tensorboard_dir` switches the sink on, with
+    event files in `<tensorboard_dir>/rank_<r>/`.
+
+    Example:
+        TensorBoardConfig.parse("monitor.tensorboard", {"tensorboard_dir": "./output/tensorboard"}).enabled  # True
+    """
+
+    tensorboard_dir: str = ""
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+
+    KEYS = ("tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tensorboard_dir)
+
+    @classmethod
+    def parse(cls, path: str, section: Any) -> "TensorBoardConfig":
+        section = _check_keys(path, section, cls.KEYS)
+        directory = section.get("tensorboard_dir", "")
+        if directory is None:
+            directory = ""
+        if not isinstance(directory, str):
+            raise _type_error(f"{path}.tensorboard_dir", directory, 'a directory path, or "" (off)')
+        out = {"tensorboard_dir": directory}
+        for key in ("tensorboard_log_interval", "tensorboard_queue_size"):
+            if key in section:
+                value = section[key]
+                if not _is_int(value):
+                    raise _type_error(f"{path}.{key}", value, "a positive int")
+                if value <= 0:
+                    raise _value_error(f"{path}.{key}", value, "a positive int")
+                out[key] = value
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+
+# MindFormers' own monitor keys, handed to the stock config unchanged (1.9.0 accepts them);
+# mindmon also reads `tensorboard` (TensorBoardConfig).
 PASSTHROUGH_MONITOR_KEYS = ("health_checkpoint", "tensorboard")
 
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """The `monitor` section: `train_state`, `moe_monitor` and where mindmon writes its files."""
+    """The `monitor` section: `train_state`, `moe_monitor`, where mindmon writes its files, which
+    ranks collect (None = all) and the data-parallel group values are reduced over (None = world)."""
 
     train_state: TrainStateConfig = TrainStateConfig()
     moe_monitor: MoEMonitorConfig = MoEMonitorConfig()
     output_dir: str = DEFAULT_OUTPUT_DIR
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    ranks: Optional[Tuple[int, ...]] = None
+    data_parallel_group: Optional[str] = None
 
-    KEYS = ("train_state", "moe_monitor", "output_dir")
+    KEYS = ("train_state", "moe_monitor", "output_dir", "ranks", "data_parallel_group")
+
+    def selects_rank(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
 
     @property
     def active(self) -> bool:
@@ -187,13 +238,29 @@ class MonitorConfig:
         output_dir = section.get("output_dir", DEFAULT_OUTPUT_DIR)
         if not isinstance(output_dir, str) or not output_dir:
             raise _type_error(f"{path}.output_dir", output_dir, "a non-empty directory path")
+        group = section.get("data_parallel_group")
+        if group is not None and (not isinstance(group, str) or not group):
+            raise _type_error(f"{path}.data_parallel_group", group, "None (the world) or a communication group name")
         return cls(TrainStateConfig.parse(f"{path}.train_state", section.get("train_state")),
                    MoEMonitorConfig.parse(f"{path}.moe_monitor", section.get("moe_monitor")),
-                   output_dir)
+                   output_dir,
+                   TensorBoardConfig.parse(f"{path}.tensorboard", section.get("tensorboard")),
+                   parse_ranks(f"{path}.ranks", section.get("ranks")), group)
 
     def to_dict(self) -> dict:
         return {"train_state": self.train_state.to_dict(), "moe_monitor": self.moe_monitor.to_dict(),
-                "output_dir": self.output_dir}
+                "output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
+                "ranks": list(self.ranks) if self.ranks is not None else None,
+                "data_parallel_group": self.data_parallel_group}
+
+
+def parse_ranks(path: str, ranks: Any) -> Optional[Tuple[int, ...]]:
+    """A rank selection: None = every rank, else a non-empty list of rank ids."""
+    if ranks is None:
+        return None
+    if not isinstance(ranks, (list, tuple)) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+        raise _value_error(path, ranks, "None (all ranks) or a non-empty list of rank ids >= 0")
+    return tuple(ranks)
 
 
 PROFILER_LEVELS = (0, 1, 2)
@@ -249,11 +316,7 @@ class ProfilerConfig:
         if output_path is not None and (not isinstance(output_path, str) or not output_path):
             raise _type_error(f"{path}.output_path", output_path, "None or a non-empty directory path")
         out["output_path"] = output_path
-        ranks = section.get("profiler_rank")
-        if ranks is not None:
-            if not isinstance(ranks, (list, tuple)) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
-                raise _value_error(f"{path}.profiler_rank", ranks, "None (all ranks) or a non-empty list of rank ids >= 0")
-            out["profiler_rank"] = tuple(ranks)
+        out["profiler_rank"] = parse_ranks(f"{path}.profiler_rank", section.get("profiler_rank"))
         return cls(**out)
 
     def to_dict(self) -> dict:
@@ -285,24 +348,36 @@ def check_step_interval(value: Any, path: str = "step_interval") -> int:
 
 @dataclass(frozen=True)
 class MindmonConfig:
-    """The three sections mindmon reads from a training YAML."""
+    """The three sections mindmon reads from a training YAML, and the optimizer's QK-clip switch
+    (Muon with `qk_clip_enabled` needs the model's max-logit tracking, seed section 1.3)."""
 
     monitor: MonitorConfig = MonitorConfig()
     profiler: ProfilerConfig = ProfilerConfig()
     callbacks: Tuple[dict, ...] = ()
+    optimizer_type: Optional[str] = None
+    qk_clip_enabled: bool = False
 
     def to_dict(self) -> dict:
         return {"monitor": self.monitor.to_dict(), "profiler": self.profiler.to_dict(),
                 "callbacks": [dict(c) for c in self.callbacks]}
 
 
+def _parse_qk_clip(optimizer: Any) -> bool:
+    if not isinstance(optimizer, dict) or "qk_clip_enabled" not in optimizer:
+        return False
+    return _bool("optimizer.qk_clip_enabled", optimizer["qk_clip_enabled"])
+
+
 def parse_sections(raw: Dict[str, Any]) -> MindmonConfig:
     """Validate the mindmon sections of a whole training config (other sections are ignored)."""
     if not isinstance(raw, dict):
         raise _type_error("<config>", raw, "a mapping of sections")
+    optimizer = raw.get("optimizer")
     return MindmonConfig(MonitorConfig.parse(raw.get("monitor")),
                          ProfilerConfig.parse(raw.get("profiler")),
-                         _parse_callbacks(raw.get("callbacks")))
+                         _parse_callbacks(raw.get("callbacks")),
+                         optimizer.get("type") if isinstance(optimizer, dict) else None,
+                         _parse_qk_clip(optimizer))
 
 
 def load_yaml(path: str) -> Dict[str, Any]:

@@ -12,7 +12,9 @@ DEVICE_LOSS = "device_loss"    # mean of the step's micro-batch losses
 # Kinds written by MaxLogitsMonitor and the MoE monitor; `name` is the layer.
 MAX_ATTENTION_LOGIT = "max_attention_logit"   # list, per head: running max of QK^T/sqrt(d) over the step
 TOKENS_PER_EXPERT = "tokens_per_expert"       # list, per expert: tokens routed in one micro-step
-# Per-step load summaries of one MoE layer (over the step's micro-steps, this rank).
+TOKENS_PER_EXPERT_STEP = "tokens_per_expert_step"  # list, per expert: the step's tokens, summed over
+                                                   # micro-steps and, with several ranks, over the ranks
+# Per-step load summaries of one MoE layer, from its tokens_per_expert_step.
 MOE_MAX_OVER_MEAN = "moe_max_over_mean"       # busiest expert's tokens / mean tokens per expert
 MOE_CV = "moe_cv"                             # coefficient of variation (std / mean) of tokens per expert
 MOE_MIN_TOKENS = "moe_min_tokens"

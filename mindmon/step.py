@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from mindspore import mint, ops, value_and_grad
 
+from .distributed import DataParallel
 from .monitors import GradientSnapshot
 from .stats import SquaredNorms, host_is_device
 
@@ -53,7 +54,8 @@ class AccumulatingTrainStep:
     """
 
     def __init__(self, loss_fn: Callable, optimizer, num_micro_steps: int, group=None,
-                 max_norm: float = 1.0, on_host: Optional[bool] = None):
+                 max_norm: float = 1.0, on_host: Optional[bool] = None,
+                 data_parallel: Optional[DataParallel] = None):
         if num_micro_steps < 1:
             raise ValueError(f"num_micro_steps: got {num_micro_steps}; allowed: a positive int")
         self.loss_fn = loss_fn
@@ -62,6 +64,7 @@ class AccumulatingTrainStep:
         self.group = group
         self.max_norm = max_norm
         self.on_host = host_is_device() if on_host is None else on_host
+        self.data_parallel = data_parallel or DataParallel()
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
 
     def _scaled_loss(self, *args):
@@ -84,15 +87,29 @@ class AccumulatingTrainStep:
                 group.record("local_loss", loss, context)
                 group.record("local_norm", GradientSnapshot(grads, accumulated), context)
                 group.record("moe_tpe", context=context)
-        mean_loss = sum(losses[1:], losses[0]) / len(losses)
+        accumulated, mean_loss = self._reduce(accumulated, sum(losses[1:], losses[0]), group)
         grad_norm = self._global_norm(accumulated)
         finite = bool(np.isfinite(grad_norm))
         if finite:
             self.optimizer(self._clip(accumulated, grad_norm))
         if group is not None:
             group.record("device_loss", mean_loss)
-            group.record("device_norm")
+            group.record("device_norm", accumulated if self.data_parallel.active else None)
         return mean_loss, (grad_norm if finite else None)
+
+    def _reduce(self, accumulated, loss_sum, group):
+        """The data-parallel mean of the gradients and of the micro-batch losses, with what the
+        monitors want summed over the ranks, in one collective. One rank: nothing to reduce."""
+        if not self.data_parallel.active:
+            return accumulated, loss_sum / self.num_micro_steps
+        extra = group.cross_rank_sums() if group is not None else []
+        reduced = self.data_parallel.sum(list(accumulated) + [loss_sum] + extra)
+        count = len(accumulated)
+        if group is not None:
+            group.receive_cross_rank_sums(reduced[count + 1:])
+        size = self.data_parallel.size
+        grads = tuple(g / size for g in reduced[:count])
+        return grads, reduced[count] / (self.num_micro_steps * size)
 
     def _global_norm(self, grads) -> float:
         norms = SquaredNorms(self.on_host)

@@ -5,6 +5,7 @@ from typing import Dict, List
 import numpy as np
 
 from ..config import check_step_interval
+from ..distributed import DataParallel
 from ..records import MAX_ATTENTION_LOGIT, Record
 from .base import TrainerCallback
 
@@ -34,6 +35,7 @@ class MaxLogitsMonitor(TrainerCallback):
         self.logger = logger or logging.getLogger("mindmon")
         self.group = None  # set by the MindFormers integration: per-head values also go to the JSONL
         self.rank = 0
+        self.data_parallel = None  # a DataParallel: values are the max over its ranks (default: the world)
 
     def on_train_begin(self, args, state, **kwargs):
         model = kwargs.get("model")
@@ -49,12 +51,24 @@ class MaxLogitsMonitor(TrainerCallback):
             return
         try:
             if state.global_step % self.step_interval == 0:
-                self._report(state, {k: v.asnumpy() for k, v in model.get_max_attention_logit().items()})
+                values = {k: v.asnumpy() for k, v in model.get_max_attention_logit().items()}
+                self._report(state, self._max_over_ranks(values, kwargs.get("data_parallel_group")))
         except Exception:
             self.logger.exception("mindmon: MaxLogitsMonitor could not read the max attention logits; "
                                   "training goes on")
         finally:
             model.reset_max_attention_logit()
+
+    def _max_over_ranks(self, values: Dict[str, np.ndarray], group_name=None) -> Dict[str, np.ndarray]:
+        """Every rank prints the max over the data-parallel group: one all-gather for all layers. A
+        trainer that names its group in the step-end kwargs (`data_parallel_group`) is followed."""
+        data_parallel = DataParallel(group_name) if group_name else self.data_parallel or DataParallel()
+        if not data_parallel.active or not values:
+            return values
+        names = list(values)
+        reduced = np.split(data_parallel.max(np.concatenate([values[n] for n in names])),
+                           np.cumsum([values[n].size for n in names])[:-1])
+        return dict(zip(names, reduced))
 
     def on_train_end(self, args, state, **kwargs):
         if self.group is not None:

@@ -6,8 +6,11 @@
     stock config only what 1.9.0 understands, then registers mindmon's callbacks;
   * `training_step` runs the K = global_batch_size / (dp x local_batch_size) micro-steps that 1.9.0
     computes but never runs (one forward/backward each, gradients accumulated, one update) and
-    records into the MonitorGroup.
+    records into the MonitorGroup;
+  * with several processes (msrun), which 1.9.0 refuses, the world size goes to the data-parallel
+    size and each step averages the gradients over the ranks in one all-reduce.
 """
+import contextlib
 import copy
 import functools
 import inspect
@@ -16,11 +19,13 @@ from types import SimpleNamespace
 
 from ..callbacks import MaxLogitsMonitor
 from ..config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml, parse_sections
+from ..distributed import DataParallel
 from ..group import MonitorGroup
 from ..step import AccumulatingTrainStep, split_batch
 
 SUPPORTED_VERSIONS = ("1.9.",)
-_NEEDED = ("__init__", "training_step", "compute_loss", "_inner_train_loop", "_create_callback_handler")
+_NEEDED = ("__init__", "training_step", "compute_loss", "_inner_train_loop", "_create_callback_handler",
+           "_compute_data_parallel_size")
 
 
 class IntegrationError(RuntimeError):
@@ -51,6 +56,7 @@ def enable() -> None:
             + "). Install mindformers==1.9.0, or set MINDMON_AUTOLOAD=0 to train without mindmon.")
     _register_callbacks()
     trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
+    trainer_cls._compute_data_parallel_size = _wrap_compute_data_parallel_size(trainer_cls._compute_data_parallel_size)
     trainer_cls.training_step = _training_step
     trainer_cls._mindmon_attached = True
     _mindformers_logger().info(
@@ -77,10 +83,40 @@ def _wrap_init(stock_init):
         mindmon_config = parse_sections(raw) if raw is not None else MindmonConfig()
         if raw is not None:
             bound.arguments["config"] = stock_sections(raw)
-        stock_init(*bound.args, **bound.kwargs)
+        with _single_process_view():
+            stock_init(*bound.args, **bound.kwargs)
         _attach(self, mindmon_config)
 
     return __init__
+
+
+@contextlib.contextmanager
+def _single_process_view():
+    """1.9.0 refuses to start when the world has more than one process ("Parallel training is not
+    supported yet"); mindmon runs the data parallelism itself, so the stock constructor is shown a
+    world of one and `_compute_data_parallel_size` (wrapped below) is given the real one."""
+    from mindformers.pynative.trainer import trainer as trainer_module
+
+    stock = trainer_module.get_world_size
+    trainer_module.get_world_size = lambda *args, **kwargs: 1
+    try:
+        yield
+    finally:
+        trainer_module.get_world_size = stock
+
+
+def _wrap_compute_data_parallel_size(stock_compute):
+    @functools.wraps(stock_compute)
+    def _compute_data_parallel_size(self):
+        self.world_size = DataParallel().size
+        parallelism = self.config.parallelism
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            if self.world_size > 1 and getattr(parallelism, key) != 1:
+                raise ConfigError(f"parallelism.{key}: got {getattr(parallelism, key)}; allowed: 1 (mindmon runs "
+                                  f"MindFormers 1.9.0 with data parallelism only, over {self.world_size} ranks)")
+        stock_compute(self)
+
+    return _compute_data_parallel_size
 
 
 def _raw_config(config):
@@ -101,6 +137,8 @@ def stock_sections(raw: dict) -> dict:
     kept = {k: v for k, v in monitor.items() if k in PASSTHROUGH_MONITOR_KEYS}
     if kept:
         stock["monitor"] = kept
+    if isinstance(stock.get("optimizer"), dict) and "qk_clip_enabled" in stock["optimizer"]:
+        stock["optimizer"] = {k: v for k, v in stock["optimizer"].items() if k != "qk_clip_enabled"}
     return stock
 
 
@@ -126,13 +164,38 @@ def _attach(trainer, config: MindmonConfig) -> None:
                          logger=_mindformers_logger(), profiler=config.profiler)
     for callback in group.callbacks():
         trainer.callback_handler.add_callback(callback)
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, MaxLogitsMonitor):
-            callback.group, callback.rank, callback.logger = group, group.rank, group.logger
-            if hasattr(trainer.model, "track_max_attention_logit"):
-                trainer.model.track_max_attention_logit = True  # tracking is never switched off here
-    _warn_not_collected(config)
+    _configure_max_logits(trainer, config, group)
     trainer._mindmon = SimpleNamespace(config=config, group=group, train_step=None)
+
+
+def _is_muon(optimizer) -> bool:
+    from mindformers.core.optim.muon import Muon
+
+    return isinstance(optimizer, Muon)
+
+
+def _configure_max_logits(trainer, config: MindmonConfig, group: MonitorGroup) -> None:
+    """Model-side max-logit tracking goes on when a MaxLogitsMonitor is registered (matched by class,
+    so a subclass counts) or the optimizer is Muon with `qk_clip_enabled`; in the second case a
+    MaxLogitsMonitor is added when none is, so the running max is reset every step. Tracking is
+    never switched off here."""
+    handler = trainer.callback_handler
+    monitors = [c for c in handler.callbacks if isinstance(c, MaxLogitsMonitor)]
+    if config.qk_clip_enabled:
+        if config.optimizer_type != "Muon" and not _is_muon(trainer.optimizer):
+            group.logger.warning(f"mindmon: optimizer.qk_clip_enabled is True but the optimizer is "
+                                 f"{config.optimizer_type or type(trainer.optimizer).__name__}, not Muon; "
+                                 f"QK clip does not apply and does not switch on max-logit tracking")
+        elif not monitors:
+            monitors = [MaxLogitsMonitor(step_interval=1)]
+            handler.add_callback(monitors[0])
+            group.logger.info("mindmon: Muon with qk_clip_enabled: max attention logit tracking on, and a "
+                              "MaxLogitsMonitor (step_interval 1) added to reset it every step")
+    for monitor in monitors:
+        monitor.group, monitor.rank, monitor.logger = group, group.rank, group.logger
+        monitor.data_parallel = group.data_parallel
+    if monitors and hasattr(trainer.model, "track_max_attention_logit"):
+        trainer.model.track_max_attention_logit = True
 
 
 def _training_step(self, model, inputs, grad_fn):
@@ -143,16 +206,5 @@ def _training_step(self, model, inputs, grad_fn):
     if state.train_step is None:
         state.train_step = AccumulatingTrainStep(
             lambda batch: self.compute_loss(model, batch), self.optimizer, self.num_accumulation_steps,
-            group=state.group, max_norm=self.config.training.max_norm)
+            group=state.group, max_norm=self.config.training.max_norm, data_parallel=state.group.data_parallel)
     return state.train_step(split_batch(inputs, self.num_accumulation_steps))
-
-
-def _warn_not_collected(config: MindmonConfig) -> None:
-    """Sections this version validates but does not act on yet: say so instead of staying silent."""
-    pending = []
-    if config.monitor.moe_monitor.active:
-        pending.append("monitor.moe_monitor (tokens per expert)")
-    if pending:
-        _mindformers_logger().warning(
-            f"mindmon {__import__('mindmon').__version__}: {', '.join(pending)} validated but not collected "
-            f"yet in this version; nothing is written for it")

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import ConfigError, MoEMonitorConfig
 from ..records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
-                       TOKENS_PER_EXPERT, Record)
+                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
 STEP_BEGIN = "moe_tpe_step_begin"
 MICRO_STEP_END = "moe_tpe"
@@ -103,10 +103,11 @@ class MoETokensMonitor:
     KEYS = (STEP_BEGIN, MICRO_STEP_END)
 
     def __init__(self, config: MoEMonitorConfig, model, rank: int = 0, on_host: bool = True,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, cross_rank: bool = False):
         self.config = config
         self.rank = rank
         self.on_host = on_host
+        self.cross_rank = cross_rank  # step totals summed over the data-parallel group
         selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
         self.layers = [layer for layer, _ in selected]
         self.cells = [cell for _, cell in selected]
@@ -114,6 +115,22 @@ class MoETokensMonitor:
 
     def reset(self) -> None:
         self._snapshots: List = []
+        self._all_ranks: Optional[List[np.ndarray]] = None
+
+    def cross_rank_shapes(self) -> List[tuple]:
+        return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] if self.cross_rank else []
+
+    def cross_rank_sums(self) -> List:
+        """This rank's step totals per layer, to be summed over the ranks with the gradients."""
+        from mindspore import Tensor
+
+        if not self.cross_rank or len(self._snapshots) < 2:
+            return None
+        first, last = (self._to_host([s])[0] for s in (self._snapshots[0], self._snapshots[-1]))
+        return [Tensor((last - first)[i].astype(np.float32)) for i in range(len(self.cells))]
+
+    def receive_cross_rank_sums(self, sums: Sequence) -> None:
+        self._all_ranks = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
 
     def record(self, key: str, value=None, context=None) -> None:
         if key == STEP_BEGIN:
@@ -136,6 +153,7 @@ class MoETokensMonitor:
             return []
         counts = self._to_host(self._snapshots)            # (K + 1, layers, experts), cumulative
         per_micro_step = np.rint(np.diff(counts, axis=0)).astype(np.int64)
+        step_totals = self._all_ranks if self._all_ranks is not None else list(per_micro_step.sum(axis=0))
         self.reset()
         num_micro_steps = per_micro_step.shape[0]
         records = []
@@ -145,7 +163,9 @@ class MoETokensMonitor:
                 records += [Record(step, micro_step, self.rank, TOKENS_PER_EXPERT, layer.name,
                                    [int(v) for v in tokens], iteration)
                             for layer, tokens in zip(self.layers, routed)]
-        for layer, step_tokens in zip(self.layers, per_micro_step.sum(axis=0)):
+        for layer, step_tokens in zip(self.layers, step_totals):
+            records.append(Record(step, None, self.rank, TOKENS_PER_EXPERT_STEP, layer.name,
+                                  [int(v) for v in step_tokens]))
             records += self._summaries(step, layer.name, step_tokens)
         return records
 

@@ -3,7 +3,8 @@
 Semantics (DESIGN.md): micro-batch k contributes g_k = grad(loss_k / K); G_k = g_0 + ... + g_k is
 the gradient accumulated so far and A_k = |G_k| per parameter.
     local_norm  at micro-step k = A_k - A_{k-1}   (A_{-1} = 0)
-    device_norm                 = A_{K-1}         (the gradient the optimizer gets, before clipping)
+    device_norm                 = A_{K-1}         (the gradient the optimizer gets, before clipping;
+                                                   with several ranks, the norm of the data-parallel mean)
     micro_norm  at micro-step k = |g_k|           (JSONL only; msprobe's per-micro-batch gradient)
     local_loss  at micro-step k = loss_k;  device_loss = mean_k loss_k
 `device_norm` forces the collection of the norms it needs; each switch filters its own output.
@@ -72,6 +73,9 @@ class TrainStateMonitor:
                 self._norms.add(("micro", micro_step), [value.micro[i] for i in self.indices])
         elif key == DEVICE_LOSS:
             self._device_loss = value
+        elif key == DEVICE_NORM and value is not None and self.config.device_norm.enabled:
+            # Several ranks: the gradient the optimizer gets is the data-parallel mean, not A_{K-1}.
+            self._norms.add("reduced", [value[i] for i in self.indices])
 
     def collect(self, step: int) -> List[Record]:
         records = []
@@ -99,8 +103,9 @@ class TrainStateMonitor:
                             if keep]
             previous = accumulated
         if self.config.device_norm.enabled:
+            device = np.sqrt(squared["reduced"]) if "reduced" in squared else previous
             records += [self._record(step, None, DEVICE_NORM, n, float(v))
-                        for n, v, keep in zip(self.names, previous, self.device_mask) if keep]
+                        for n, v, keep in zip(self.names, device, self.device_mask) if keep]
         return records
 
     def _record(self, step, micro_step, kind, name, value) -> Record:

@@ -1,0 +1,150 @@
+"""Two real msrun worker processes (`mindmon demo --workers 2`), data parallel over `mccl` on CPU.
+
+The reference replays step 1 in this process: the same model init, each rank's shard of the data
+(MindSpore's own sharding), plain `value_and_grad` per micro-batch, numpy for the cross-rank mean.
+"""
+import csv
+import os
+import subprocess
+import sys
+
+import mindspore.dataset as ds
+import numpy as np
+import pytest
+import yaml
+from mindspore import Tensor, value_and_grad
+
+from conftest import SMALL_MODEL, read_jsonl
+from mindmon.demo.data import make_sequences
+from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
+
+RANKS, GBS, LBS, STEPS, SEED = 2, 8, 2, 2, 42
+K = GBS // (RANKS * LBS)  # 2 micro-steps per step on each rank
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp2")
+    overlay = {
+        "model": SMALL_MODEL,
+        "training": {"global_batch_size": GBS, "local_batch_size": LBS, "seed": SEED},
+        "monitor": {"train_state": {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True},
+                    "moe_monitor": {"save_tokens_per_expert_interval": 1}},
+        "profiler": {"enable_profiling": True, "start_step": 2, "end_step": 2, "profiler_rank": [1],
+                     "output_path": str(out / "profile"), "with_stack": False},
+        "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}],
+    }
+    (out / "dp2.yaml").write_text(yaml.safe_dump(overlay))
+    env = {k: v for k, v in os.environ.items() if k != "LOG_MF_PATH"}
+    result = subprocess.run([sys.executable, "-m", "mindmon.cli", "demo", "--workers", str(RANKS), "--steps", str(STEPS),
+                             "--output", str(out), "--config", str(out / "dp2.yaml")],
+                            capture_output=True, text=True, env=env, cwd=out, timeout=900)
+    logs = "".join((out / "msrun" / f"worker_{r}.log").read_text()[-3000:] for r in range(RANKS))
+    assert result.returncode == 0, result.stdout[-2000:] + logs
+    records = {r: read_jsonl(out / "monitor" / f"rank_{r}" / "metrics.jsonl") for r in range(RANKS)}
+    return out, records
+
+
+def _values(records, kind, step=1):
+    return {(r["micro_step"], r["name"]): r["value"] for r in records if r["kind"] == kind and r["step"] == step}
+
+
+def _replay_step1():
+    """Per rank: micro-batch losses, the accumulated gradient (sum of grad(loss_k / K)) and the
+    per-head max attention logit of its micro-batches, from a fresh model with the demo's init."""
+    model = DemoMoEGPT(DemoModelConfig.from_dict(SMALL_MODEL))
+    model.set_train(True)
+    model.track_max_attention_logit = True
+    params = model.trainable_params()
+    grad_fn = value_and_grad(lambda ids, labels: model(ids, labels)[0], None, params)
+    sequences = make_sequences(STEPS * GBS, SMALL_MODEL["seq_length"], SMALL_MODEL["vocab_size"], SEED)
+    per_rank = {}
+    for rank in range(RANKS):
+        shard = ds.NumpySlicesDataset((sequences[:, :-1], sequences[:, 1:]), column_names=["input_ids", "labels"],
+                                      shuffle=False, num_shards=RANKS, shard_id=rank).batch(GBS // RANKS)
+        batch = next(shard.create_dict_iterator(output_numpy=True))
+        losses, accumulated = [], {p.name: 0.0 for p in params}
+        for k in range(K):
+            rows = slice(k * LBS, (k + 1) * LBS)
+            loss, grads = grad_fn(Tensor(batch["input_ids"][rows]), Tensor(batch["labels"][rows]))
+            losses.append(float(loss.asnumpy()))
+            for p, g in zip(params, grads):
+                accumulated[p.name] = accumulated[p.name] + g.asnumpy().astype(np.float64) / K
+        logits = {name: v.asnumpy().copy() for name, v in model.get_max_attention_logit().items()}
+        model.reset_max_attention_logit()
+        per_rank[rank] = (losses, accumulated, logits)
+    return per_rank
+
+
+def test_losses_and_norms_against_a_replay(run):
+    _, records = run
+    replay = _replay_step1()
+    for rank in range(RANKS):
+        local = _values(records[rank], "local_loss")
+        assert [local[(k, "loss")] for k in range(K)] == pytest.approx(replay[rank][0], rel=1e-5)
+    assert _values(records[0], "local_loss") != _values(records[1], "local_loss")  # different data
+    everything = [loss for rank in range(RANKS) for loss in replay[rank][0]]
+    for rank in range(RANKS):  # the mean over both ranks' micro-batches, identical on both
+        assert _values(records[rank], "device_loss")[(None, "loss")] == pytest.approx(np.mean(everything), rel=1e-5)
+    mean_grad = {n: (replay[0][1][n] + replay[1][1][n]) / RANKS for n in replay[0][1]}
+    for rank in range(RANKS):
+        device = _values(records[rank], "device_norm")
+        assert set(n for _, n in device) == set(mean_grad)
+        for name, grad in mean_grad.items():
+            assert device[(None, name)] == pytest.approx(np.linalg.norm(grad), rel=1e-4, abs=1e-7)
+        micro = _values(records[rank], "micro_norm")  # this rank's own, before any reduction
+        assert micro[(K - 1, "output_layer.weight")] != _values(records[1 - rank], "micro_norm")[(K - 1, "output_layer.weight")]
+
+
+def test_max_logits_are_the_max_over_ranks(run):
+    _, records = run
+    replay = _replay_step1()
+    for rank in range(RANKS):
+        logged = _values(records[rank], "max_attention_logit")
+        assert len(logged) == 3
+        for (_, name), value in logged.items():
+            expected = np.maximum(replay[0][2][name], replay[1][2][name])
+            np.testing.assert_allclose(value, expected, rtol=1e-5)
+
+
+def test_tokens_per_expert_local_with_a_cross_rank_total(run):
+    _, records = run
+    for step in (1, 2):
+        totals = [_values(records[rank], "tokens_per_expert_step", step) for rank in range(RANKS)]
+        assert totals[0] == totals[1]
+        for (_, layer), total in totals[0].items():
+            per_micro_step = [np.array(v) for rank in range(RANKS)
+                              for (_, name), v in _values(records[rank], "tokens_per_expert", step).items() if name == layer]
+            assert len(per_micro_step) == RANKS * K
+            assert total == np.sum(per_micro_step, axis=0).tolist()
+
+
+def test_profiler_rank_selects_rank_1_only(run):
+    out, _ = run
+    assert sorted(os.listdir(out / "profile")) == ["rank_1"]
+    assert any(name.endswith("_ascend_ms") for name in os.listdir(out / "profile" / "rank_1"))
+
+
+def test_every_rank_writes_its_own_files(run):
+    out, records = run
+    for rank in range(RANKS):
+        assert {r["rank"] for r in records[rank]} == {rank}
+        assert (out / "monitor" / "tokens_per_expert" / f"rank{rank}.jsonl").exists()
+        assert "device_loss" in (out / "log" / f"rank_{rank}" / "info.log").read_text()
+
+
+def test_merge_table(run):
+    out, records = run
+    result = subprocess.run([sys.executable, "-m", "mindmon.cli", "merge", str(out)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(out / "merged.csv", newline="") as handle:
+        rows = {(r["kind"], r["name"], r["step"], r["micro_step"]): r for r in csv.DictReader(handle)}
+    for (micro_step, _), _ in _values(records[0], "local_loss").items():
+        row = rows[("local_loss", "loss", "1", str(micro_step))]
+        per_rank = [_values(records[r], "local_loss")[(micro_step, "loss")] for r in range(RANKS)]
+        assert float(row["min"]) == pytest.approx(min(per_rank)) and float(row["max"]) == pytest.approx(max(per_rank))
+        assert float(row["mean"]) == pytest.approx(np.mean(per_rank))
+        assert int(row["max_rank"]) == int(np.argmax(per_rank))
+    device = rows[("device_loss", "loss", "2", "")]
+    assert device["min"] == device["max"] and device["ranks"] == "2"
