@@ -148,3 +148,15 @@ def test_merge_table(run):
         assert int(row["max_rank"]) == int(np.argmax(per_rank))
     device = rows[("device_loss", "loss", "2", "")]
     assert device["min"] == device["max"] and device["ranks"] == "2"
+
+
+def test_monitor_ranks_pick_who_collects():
+    from mindmon.config import ConfigError, MonitorConfig
+    from mindmon.group import MonitorGroup
+
+    config = MonitorConfig.parse({"ranks": [0, 2], "train_state": {"device_loss": True}})
+    assert [MonitorGroup(config, rank=r).active for r in range(3)] == [True, False, True]
+    assert MonitorGroup(config, rank=1).callbacks() == []
+    for bad in ([], [-1], "0", [0.5]):
+        with pytest.raises(ConfigError, match=r"monitor\.ranks: got .*; allowed: None \(all ranks\)"):
+            MonitorConfig.parse({"ranks": bad})
