@@ -90,3 +90,32 @@ def read_jsonl(path):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+VIEW_DEMO_STEPS = 4
+VIEW_DEMO_YAML = """
+monitor:
+  train_state: {local_norm: True, local_loss: True, device_norm: True, device_loss: True}
+  moe_monitor: {save_tokens_per_expert_interval: 1}
+  tensorboard: {tensorboard_dir: ./tb}
+callbacks:
+  - {type: MaxLogitsMonitor, step_interval: 1}
+"""
+
+
+@pytest.fixture(scope="session")
+def view_demo(tmp_path_factory):
+    """`mindmon demo` with every monitor, the MaxLogitsMonitor callback and the TensorBoard sink on
+    (a subprocess, as a user runs it); returns its --output directory. Shared by the TensorBoard,
+    parse-log and report tests."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("view_demo")
+    (out / "scenario.yaml").write_text(VIEW_DEMO_YAML)
+    env = {k: v for k, v in os.environ.items() if k != "LOG_MF_PATH"}
+    result = subprocess.run([sys.executable, "-m", "mindmon.cli", "demo", "--steps", str(VIEW_DEMO_STEPS),
+                             "--output", str(out), "--config", str(out / "scenario.yaml")],
+                            capture_output=True, text=True, env=env, cwd=out, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

@@ -1,0 +1,239 @@
+"""`mindmon report RUN_DIR`: one self-contained HTML page (PNG figures inlined) from a run's JSONL.
+
+Figures, per rank, for what the run recorded: loss per micro-batch and per step (with grad norm
+and learning rate), a gradient-norm heat map (parameter groups x steps), a tokens-per-expert heat
+map per MoE layer with an imbalance table, and the max attention logit per layer and per head.
+Works on a run still in progress (it plots the steps written so far).
+
+Example:
+    write_report("./output", "./output/report.html")
+"""
+import base64
+import html
+import io
+import re
+import sys
+from collections import defaultdict
+from datetime import datetime
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+                      MAX_ATTENTION_LOGIT, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
+from .run_files import metrics_files, read_records
+from .to_tensorboard import run_shape
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def parameter_group(name: str) -> str:
+    """The module a parameter belongs to, two levels below its layer index
+    (`decoder.layers.0.self_attention.linear_qkv.weight` -> `decoder.layers.0.self_attention`),
+    or its module path without the last part when it has no layer index."""
+    parts = name.split(".")
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        return ".".join(parts[:-1]) or name
+    index = name[:match.start()].count(".") + 1   # position of the layer number in `parts`
+    depth = 3 if parts[index + 1] == "transformer_layer" else 2   # MTP wraps its layer in one more module
+    return ".".join(parts[:index + depth])
+
+
+def _figure(rows: int = 1, cols: int = 1, width: float = 10, height: float = 3.6):
+    import matplotlib
+
+    matplotlib.use("Agg")   # no display: files only
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, cols, figsize=(width, height * rows), squeeze=False)
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:   # steps, micro-steps and experts are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")   # keep long parameter names whole
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _of(records: List[Record], kind: str) -> List[Record]:
+    return [r for r in records if r.kind == kind]
+
+
+def loss_figure(records: List[Record], micro_steps: int) -> Optional[str]:
+    micro, step_loss = _of(records, LOCAL_LOSS), _of(records, DEVICE_LOSS) or _of(records, LOSS)
+    norm, lr = _of(records, GRAD_NORM), _of(records, LEARNING_RATE)
+    if not (micro or step_loss or norm or lr):
+        return None
+    fig, axes = _figure(2 if (norm or lr) else 1)
+    ax = axes[0][0]
+    if micro:   # micro-batch k of step s sits at s - 1 + (k + 1) / K, so a step's last one lands on s
+        ax.plot([r.step - 1 + (r.micro_step + 1) / micro_steps for r in micro], [r.value for r in micro],
+                ".", color="tab:gray", markersize=4, label="per micro-batch (local_loss)")
+    if step_loss:
+        ax.plot([r.step for r in step_loss], [r.value for r in step_loss], "-o", color="tab:blue",
+                markersize=3, label=f"per step ({step_loss[0].kind})")
+    ax.set(title="Loss", xlabel="step", ylabel="loss")
+    ax.legend(loc="upper right")
+    if norm or lr:
+        ax = axes[1][0]
+        if norm:
+            ax.plot([r.step for r in norm], [r.value for r in norm], "-", color="tab:red", label="grad-norm")
+            ax.set_ylabel("global grad norm (before clipping)")
+        if lr:
+            twin = ax.twinx()
+            twin.plot([r.step for r in lr], [r.value for r in lr], "--", color="tab:green", label="learning-rate")
+            twin.set_ylabel("learning rate")
+            twin.legend(loc="lower right")
+        ax.set(title="Gradient norm and learning rate", xlabel="step")
+        ax.legend(loc="upper left")
+    return _png(fig)
+
+
+def group_norms(records: List[Record]) -> Tuple[List[str], List[int], np.ndarray]:
+    """(groups in model order, steps, norms[group, step]): the L2 norm of each parameter group's gradient per step,
+    sqrt of the sum of its parameters' squared device_norm (or, without device_norm, of the
+    per-step sum of local_norm increments, which adds up to the same A_{K-1})."""
+    per_param: Dict[Tuple[str, int], float] = defaultdict(float)
+    source = _of(records, DEVICE_NORM) or _of(records, LOCAL_NORM)
+    for r in source:
+        per_param[(r.name, r.step)] += r.value
+    groups = list(dict.fromkeys(parameter_group(name) for name, _ in per_param))   # model order
+    steps = sorted({step for _, step in per_param})
+    squares = np.zeros((len(groups), len(steps)))
+    row, col = {g: i for i, g in enumerate(groups)}, {s: j for j, s in enumerate(steps)}
+    for (name, step), value in per_param.items():
+        squares[row[parameter_group(name)], col[step]] += value * value
+    return groups, steps, np.sqrt(squares)
+
+
+def grad_norm_figure(records: List[Record]) -> Optional[str]:
+    groups, steps, norms = group_norms(records)
+    if not groups:
+        return None
+    fig, axes = _figure(width=11, height=max(3.0, 0.28 * len(groups) + 1.5))
+    ax = axes[0][0]
+    with np.errstate(divide="ignore"):
+        image = ax.imshow(np.log10(norms), aspect="auto", cmap="viridis", interpolation="nearest",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, len(groups) - 0.5, -0.5))
+    ax.set_yticks(range(len(groups)), groups, fontsize=7)
+    ax.set(title="Gradient norm per parameter group (log10)", xlabel="step")
+    fig.colorbar(image, ax=ax, label="log10 |grad|")
+    return _png(fig)
+
+
+def tokens_by_layer(records: List[Record], micro_steps: int) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """{layer: (global micro-steps, tokens[micro-step, expert])}, in the order layers appear."""
+    rows: Dict[str, list] = defaultdict(list)
+    for r in _of(records, TOKENS_PER_EXPERT):
+        iteration = r.iteration if r.iteration is not None else (r.step - 1) * micro_steps + r.micro_step
+        rows[r.name].append((iteration, r.value))
+    return {name: (np.array([i for i, _ in pairs]), np.array([v for _, v in pairs], dtype=float))
+            for name, pairs in rows.items()}
+
+
+def imbalance(tokens: np.ndarray) -> Dict[str, float]:
+    """Load summary of one layer over the recorded micro-steps (the whole run and the worst one)."""
+    total = tokens.sum(axis=0)
+    per_micro = tokens.max(axis=1) / np.maximum(tokens.mean(axis=1), 1e-12)
+    return {"micro-steps": len(tokens), "max/mean (run)": total.max() / max(total.mean(), 1e-12),
+            "CV (run)": total.std() / max(total.mean(), 1e-12), "worst max/mean (micro-step)": per_micro.max(),
+            "idle expert x micro-steps": int((tokens == 0).sum())}
+
+
+def tokens_figure(layers: Dict[str, Tuple[np.ndarray, np.ndarray]], records: List[Record]) -> Optional[str]:
+    if not layers:
+        return None
+    summary = _of(records, MOE_MAX_OVER_MEAN)   # the MoE monitor's per-step summary, when it ran
+    fig, axes = _figure(len(layers) + bool(summary), 1, height=2.6)
+    for ax, (name, (iterations, tokens)) in zip(axes[:, 0], layers.items()):
+        image = ax.imshow(tokens.T, aspect="auto", cmap="magma", interpolation="nearest",
+                          extent=(iterations.min() - 0.5, iterations.max() + 0.5, tokens.shape[1] - 0.5, -0.5))
+        ax.set_yticks(range(tokens.shape[1]))
+        ax.set(title=f"Tokens per expert: {name}", xlabel="global micro-step", ylabel="expert")
+        fig.colorbar(image, ax=ax, label="tokens")
+    if summary:
+        ax = axes[-1][0]
+        for name in layers:
+            rows = [r for r in summary if r.name == name]
+            ax.plot([r.step for r in rows], [r.value for r in rows], "-o", markersize=3, label=name)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set(title="Busiest expert / mean, per step (1 = balanced)", xlabel="step", ylabel="max / mean")
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def max_logit_figure(records: List[Record]) -> Optional[str]:
+    per_layer: Dict[str, list] = defaultdict(list)
+    for r in _of(records, MAX_ATTENTION_LOGIT):
+        per_layer[r.name].append((r.step, r.value))
+    if not per_layer:
+        return None
+    fig, axes = _figure(1 + len(per_layer), 1, height=2.8)
+    overview = axes[0][0]
+    for name, rows in per_layer.items():
+        overview.plot([s for s, _ in rows], [max(v) for _, v in rows], "-o", markersize=3, label=name)
+    overview.set(title="Max attention logit per layer (max over heads)", xlabel="step", ylabel="max logit")
+    overview.legend(fontsize=7)
+    for ax, (name, rows) in zip(axes[1:, 0], per_layer.items()):
+        heads = np.array([v for _, v in rows], dtype=float)
+        for head in range(heads.shape[1]):
+            ax.plot([s for s, _ in rows], heads[:, head], "-", label=f"head {head}")
+        ax.set(title=f"Per head: {name}", xlabel="step", ylabel="max logit")
+        ax.legend(fontsize=7, ncol=min(heads.shape[1], 8))
+    return _png(fig)
+
+
+def _table(rows: Dict[str, Dict[str, float]]) -> str:
+    if not rows:
+        return ""
+    columns = list(next(iter(rows.values())))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join(f"<tr><td>{html.escape(name)}</td>" + "".join(
+        f"<td>{v:.4g}</td>" for v in values.values()) + "</tr>" for name, values in rows.items())
+    return f"<table><tr><th>MoE layer</th>{head}</tr>{body}</table>"
+
+
+def rank_section(rank: int, path: str, progress=None) -> str:
+    records = read_records(path)
+    _, micro_steps = run_shape(records)
+    steps = sorted({r.step for r in records})
+    layers = tokens_by_layer(records, micro_steps)
+    parts = [f"<h2>Rank {rank}</h2><p>{html.escape(path)}: {len(records)} records, "
+             f"steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, {micro_steps} micro-step(s) per step</p>"]
+    figures = (("loss", lambda: loss_figure(records, micro_steps)), ("gradient norms", lambda: grad_norm_figure(records)),
+               ("tokens per expert", lambda: tokens_figure(layers, records)),
+               ("max attention logit", lambda: max_logit_figure(records)))
+    for title, build in figures:
+        png = build()
+        if png is None:
+            continue
+        parts.append(f'<h3>{title.capitalize()}</h3><img alt="{title}" src="data:image/png;base64,{png}">')
+        if title == "tokens per expert":
+            parts.append(_table({name: imbalance(tokens) for name, (_, tokens) in layers.items()}))
+        if progress is not None:
+            print(f"mindmon report: rank {rank}: {title}", file=progress, flush=True)
+    return "\n".join(parts)
+
+
+_STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1100px} img{max-width:100%} "
+          "table{border-collapse:collapse} td,th{border:1px solid #bbb;padding:2px 8px;text-align:right}")
+
+
+def write_report(run_dir: str, output: str, progress=sys.stderr) -> str:
+    """Writes the page to `output` and returns its path."""
+    sections = [rank_section(rank, path, progress) for rank, path in metrics_files(run_dir)]
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mindmon report</title>"
+            f"<style>{_STYLE}</style></head><body><h1>mindmon report</h1>"
+            f"<p>{html.escape(run_dir)} &mdash; generated {datetime.now():%Y-%m-%d %H:%M:%S}</p>"
+            + "\n".join(sections) + "</body></html>")
+    with open(output, "w", encoding="utf-8") as handle:
+        handle.write(page)
+    return output

@@ -1,0 +1,140 @@
+"""TensorBoard event files, per rank: `<tensorboard_dir>/rank_<r>/events.out.tfevents.*`.
+
+Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate`,
+`max_attention_logit`), and `<kind>/<name>[/<index>]` otherwise. Step-level values are plotted
+against the training step; micro-step values against the global micro-step `(step - 1) * K + k`.
+When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
+(Megatron's `<tag> vs samples`), against the samples consumed so far.
+"""
+import os
+from collections import defaultdict
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT, SAMPLES,
+                       TOKENS_PER_EXPERT, Record)
+
+# Megatron's names for the scalars it also plots, as tensorboardX writes them (it turns the
+# characters TensorBoard does not allow in a tag, such as spaces, into "_": "lm loss" -> "lm_loss").
+MEGATRON_TAGS = {LOSS: "lm_loss", GRAD_NORM: "grad-norm", LEARNING_RATE: "learning-rate"}
+# One curve per kind: the record's name ("loss") adds nothing.
+KIND_TAGS = (DEVICE_LOSS, LOCAL_LOSS)
+VS_SAMPLES = "_vs_samples"
+
+
+def _list_tags(record: Record) -> Iterator[Tuple[str, float]]:
+    if record.kind == MAX_ATTENTION_LOGIT:   # per head, and the layer's max over its heads
+        yield f"{MAX_ATTENTION_LOGIT}/{record.name}", max(record.value)
+        for head, value in enumerate(record.value):
+            yield f"{MAX_ATTENTION_LOGIT}/{record.name}/head_{head}", value
+    elif record.kind == TOKENS_PER_EXPERT:
+        for expert, value in enumerate(record.value):
+            yield f"{TOKENS_PER_EXPERT}/{record.name}/expert_{expert}", value
+    else:
+        for index, value in enumerate(record.value):
+            yield f"{record.kind}/{record.name}/{index}", value
+
+
+def record_tags(record: Record) -> List[Tuple[str, float]]:
+    """(tag, value) pairs of one record. `samples` is an axis, not a curve: no tag.
+
+    Example:
+        record_tags(Record(3, None, 0, "grad_norm", "global", 1.2))   # [("grad-norm", 1.2)]
+    """
+    if record.kind == SAMPLES:
+        return []
+    if isinstance(record.value, list):
+        return list(_list_tags(record))
+    if record.kind in MEGATRON_TAGS:
+        return [(MEGATRON_TAGS[record.kind], record.value)]
+    if record.kind in KIND_TAGS:
+        return [(record.kind, record.value)]
+    return [(f"{record.kind}/{record.name}", record.value)]
+
+
+def step_summaries(records: List[Record]) -> List[Tuple[int, str, float]]:
+    """Per step: `max_attention_logit` (max over every head of every layer, Megatron's tag) and
+    `max_attention_logit/mean` (as MaxLogitsMonitor logs them)."""
+    heads = defaultdict(list)
+    for record in records:
+        if record.kind == MAX_ATTENTION_LOGIT:
+            heads[record.step].extend(record.value)
+    out = []
+    for step, values in heads.items():
+        out.append((step, MAX_ATTENTION_LOGIT, max(values)))
+        out.append((step, f"{MAX_ATTENTION_LOGIT}/mean", sum(values) / len(values)))
+    return out
+
+
+class Axes:
+    """Where a record sits on the x axes: training step (or global micro-step), and samples.
+
+    `micro_steps_per_step` (K) and `global_batch_size` come from the trainer when it knows them;
+    K otherwise grows with the largest micro_step seen, which is exact once every micro-step of a
+    step has been seen (local_loss and local_norm records cover them all).
+    """
+
+    def __init__(self, global_batch_size: Optional[int] = None, micro_steps_per_step: Optional[int] = None):
+        self.global_batch_size = global_batch_size
+        self.micro_steps = micro_steps_per_step or 0
+        self._known_micro_steps = micro_steps_per_step is not None
+
+    def see(self, records: List[Record]) -> None:
+        for record in records:
+            if record.kind == SAMPLES and record.step > 0:
+                self.global_batch_size = round(record.value / record.step)
+            elif record.micro_step is not None and not self._known_micro_steps:
+                self.micro_steps = max(self.micro_steps, record.micro_step + 1)
+
+    def step(self, record: Record) -> int:
+        if record.micro_step is None:
+            return record.step
+        iteration = getattr(record, "iteration", None)
+        return iteration if iteration is not None else (record.step - 1) * self.micro_steps + record.micro_step
+
+    def samples(self, record: Record) -> Optional[int]:
+        if not self.global_batch_size:
+            return None
+        if record.micro_step is None:
+            return record.step * self.global_batch_size
+        per_micro = self.global_batch_size // max(self.micro_steps, 1)
+        return (record.step - 1) * self.global_batch_size + (record.micro_step + 1) * per_micro
+
+
+class TensorBoardSink:
+    """Writes every record as TensorBoard scalars (tensorboardX), flushed at every step end.
+
+    Example:
+        sink = TensorBoardSink("./output/tensorboard", rank=0, global_batch_size=8)
+        sink.write([Record(1, None, 0, "grad_norm", "global", 1.19)])   # tags grad-norm, grad-norm_vs_samples
+        sink.close()
+    """
+
+    def __init__(self, tensorboard_dir: str, rank: int, log_interval: int = 1, queue_size: int = 1000,
+                 global_batch_size: Optional[int] = None, micro_steps_per_step: Optional[int] = None):
+        from tensorboardX import SummaryWriter
+
+        self.log_dir = os.path.join(tensorboard_dir, f"rank_{rank}")
+        self.log_interval = log_interval
+        self.axes = Axes(global_batch_size, micro_steps_per_step)
+        self._writer = SummaryWriter(self.log_dir, max_queue=queue_size)
+
+    def write(self, records: Iterable[Record]) -> None:
+        records = [r for r in records if r.step % self.log_interval == 0]
+        self.axes.see(records)
+        for record in records:
+            step, samples = self.axes.step(record), self.axes.samples(record)
+            for tag, value in record_tags(record):
+                self._add(tag, value, step, samples)
+        for step, tag, value in step_summaries(records):
+            samples = self.axes.global_batch_size * step if self.axes.global_batch_size else None
+            self._add(tag, value, step, samples)
+        self._writer.flush()
+
+    def _add(self, tag: str, value: float, step: int, samples: Optional[int]) -> None:
+        self._writer.add_scalar(tag, value, step)
+        if samples is not None:
+            self._writer.add_scalar(tag + VS_SAMPLES, value, samples)
+
+    def close(self) -> None:
+        self._writer.close()
+
