@@ -54,8 +54,9 @@ def _png(fig) -> str:
 
     from matplotlib.ticker import MaxNLocator
 
-    for ax in fig.axes:   # steps, micro-steps and experts are whole numbers
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in fig.axes:   # steps and micro-steps are whole numbers (colorbars keep their own ticks)
+        if ax.get_xlabel() in ("step", "global micro-step"):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")   # keep long parameter names whole

@@ -93,29 +93,23 @@ def rng():
 
 
 VIEW_DEMO_STEPS = 4
-VIEW_DEMO_YAML = """
-monitor:
-  train_state: {local_norm: True, local_loss: True, device_norm: True, device_loss: True}
-  moe_monitor: {save_tokens_per_expert_interval: 1}
-  tensorboard: {tensorboard_dir: ./tb}
-callbacks:
-  - {type: MaxLogitsMonitor, step_interval: 1}
-"""
+# The shipped scenario: TensorBoard sink, tokens per expert every micro-step, MaxLogitsMonitor,
+# over configs/demo.yaml's train_state (filtered local_norm, local_loss, device_norm, device_loss).
+VIEW_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tensorboard.yaml"
 
 
 @pytest.fixture(scope="session")
 def view_demo(tmp_path_factory):
-    """`mindmon demo` with every monitor, the MaxLogitsMonitor callback and the TensorBoard sink on
-    (a subprocess, as a user runs it); returns its --output directory. Shared by the TensorBoard,
-    parse-log and report tests."""
+    """`mindmon demo --config configs/tensorboard.yaml`: every monitor, the MaxLogitsMonitor callback
+    and the TensorBoard sink on (a subprocess, as a user runs it); returns its --output directory.
+    Shared by the TensorBoard, parse-log and report tests."""
     import subprocess
     import sys
 
     out = tmp_path_factory.mktemp("view_demo")
-    (out / "scenario.yaml").write_text(VIEW_DEMO_YAML)
     env = {k: v for k, v in os.environ.items() if k != "LOG_MF_PATH"}
     result = subprocess.run([sys.executable, "-m", "mindmon.cli", "demo", "--steps", str(VIEW_DEMO_STEPS),
-                             "--output", str(out), "--config", str(out / "scenario.yaml")],
+                             "--output", str(out), "--config", str(VIEW_DEMO_CONFIG)],
                             capture_output=True, text=True, env=env, cwd=out, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return out

@@ -1,5 +1,6 @@
 """The TensorBoard sink and `mindmon to-tensorboard`: event files read back with TensorBoard's own
-EventAccumulator, every value checked against the JSONL of the same run."""
+EventAccumulator, every value checked against the JSONL of the same run (the demo trained with the
+shipped configs/tensorboard.yaml, conftest's `view_demo`)."""
 import subprocess
 import sys
 
@@ -44,6 +45,8 @@ def expected_scalars(rows):
         elif kind == "tokens_per_expert":
             assert r["iter"] == x
             points += [(f"tokens_per_expert/{name}/expert_{e}", x, samples, v) for e, v in enumerate(value)]
+        elif kind == "tokens_per_expert_step":
+            points += [(f"tokens_per_expert_step/{name}/expert_{e}", x, samples, v) for e, v in enumerate(value)]
         elif kind in megatron:
             points.append((megatron[kind], x, samples, value))
         elif kind in ("local_loss", "device_loss"):

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT, SAMPLES,
-                       TOKENS_PER_EXPERT, Record)
+                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
 # Megatron's names for the scalars it also plots, as tensorboardX writes them (it turns the
 # characters TensorBoard does not allow in a tag, such as spaces, into "_": "lm loss" -> "lm_loss").
@@ -26,9 +26,9 @@ def _list_tags(record: Record) -> Iterator[Tuple[str, float]]:
         yield f"{MAX_ATTENTION_LOGIT}/{record.name}", max(record.value)
         for head, value in enumerate(record.value):
             yield f"{MAX_ATTENTION_LOGIT}/{record.name}/head_{head}", value
-    elif record.kind == TOKENS_PER_EXPERT:
+    elif record.kind in (TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP):
         for expert, value in enumerate(record.value):
-            yield f"{TOKENS_PER_EXPERT}/{record.name}/expert_{expert}", value
+            yield f"{record.kind}/{record.name}/expert_{expert}", value
     else:
         for index, value in enumerate(record.value):
             yield f"{record.kind}/{record.name}/{index}", value
