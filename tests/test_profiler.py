@@ -349,7 +349,7 @@ def scenario_runs(tmp_path_factory):
 @pytest.mark.parametrize("level, first, last", [(0, 3, 5), (1, 3, 5), (2, 3, 4)])
 def test_scenario_writes_a_trace_of_its_window(scenario_runs, level, first, last):
     cwd = scenario_runs[level]
-    (trace,) = trace_dirs(cwd / "output" / "profile" / "rank_0")
+    (trace,) = trace_dirs(cwd / "out" / "profile" / "rank_0")  # `mindmon demo --output` keeps it all together
     assert operators(trace)
     log = (cwd / "out" / "log" / "rank_0" / "info.log").read_text()
     assert log.count(f"mindmon: profiler: steps {first}-{last} written to {trace}") == 1

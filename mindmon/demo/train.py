@@ -51,6 +51,8 @@ def _with_overrides(config_path: Optional[str], steps: Optional[int], output: Op
         if (config["monitor"].get("tensorboard") or {}).get("tensorboard_dir"):  # the sink is on: keep it in output
             config["monitor"]["tensorboard"] = {**config["monitor"]["tensorboard"],
                                                 "tensorboard_dir": os.path.join(output, "tensorboard")}
+        if (config.get("profiler") or {}).get("enable_profiling"):  # likewise the profiler's traces
+            config["profiler"] = {**config["profiler"], "output_path": os.path.join(output, "profile")}
     return config
 
 
