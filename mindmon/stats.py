@@ -21,8 +21,10 @@ def host_is_device() -> bool:
     return ms.get_context("device_target") == "CPU"
 
 
-# Elements per float32 partial sum of a large tensor (256 KiB: stays in cache while BLAS reads it).
+# Elements per float32 partial sum (256 KiB: stays in cache while BLAS reads it).
 _BLOCK = 1 << 16
+# Arrays up to this size are summed in float64 (a copy of at most 32 KiB).
+_SMALL = 1 << 12
 
 
 def _host_array(tensor) -> np.ndarray:
@@ -38,13 +40,13 @@ def _host_array(tensor) -> np.ndarray:
 def _squared_norm(flat: np.ndarray) -> float:
     """Sum of squares, reading the array once and never copying a large one.
 
-    A large float32 array is summed block by block by BLAS (float32 accumulation over 65536
-    elements: relative error about 1e-7, the precision of the float32 gradients themselves) and the
-    blocks are added in float64. Converting it whole to float64 would allocate a fresh copy and take
-    about 10x as long, which, a few times per micro-step, was most of the monitor's cost. Small
+    A float32 array is summed by BLAS in blocks of 65536 elements (float32 accumulation: relative
+    error about 1e-7, the precision of float32 gradients themselves), the blocks added in float64.
+    Converting to float64 first would allocate a fresh copy each time and take several times as long,
+    which, a few times per micro-step for every parameter, was most of the monitor's cost. Small
     arrays are summed in float64.
     """
-    if flat.dtype == np.float32 and flat.size > _BLOCK:
+    if flat.dtype == np.float32 and flat.size > _SMALL:
         total = 0.0
         for start in range(0, flat.size, _BLOCK):
             block = flat[start:start + _BLOCK]

@@ -1,0 +1,131 @@
+"""The overhead benchmark runs and writes its JSON; monitors make no host read inside the step's
+record calls on the device path, and read each tensor once on the CPU path. No timing is asserted."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mindspore import Tensor, nn
+
+from conftest import SMALL_MODEL, make_model, read_jsonl
+from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup, split_batch
+from mindmon.demo.data import make_sequences
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref"]
+K = 2  # micro-steps per step in the benchmark's --tiny size
+
+
+def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_overhead.py"), "--tiny", "--rounds", "2", "--steps-per-block", "1",
+         "--warmup", "1", "--scaling-layers", "2", "--scaling-rounds", "1", "--json", str(out),
+         "--output-dir", str(tmp_path / "monitor")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {row["config"]: row for row in data["main"]["rows"]}
+    assert list(rows) == CONFIGS
+    assert rows["off"]["ratio_to_off"] == 1.0 and rows["off"]["added_ms_per_step"] == 0.0
+    for row in rows.values():
+        assert row["steps_timed"] == 2 and row["median_step_s"] > 0 and row["median_cpu_s"] > 0
+        assert row["ratio_to_off"] == pytest.approx(row["median_step_s"] / rows["off"]["median_step_s"])
+    assert rows["off"]["in_mindmon_ms_per_step"] == 0.0 and rows["train_state"]["in_mindmon_ms_per_step"] > 0
+    assert [run["num_layers"] for run in data["scaling"]] == [2]
+    assert [row["config"] for row in data["scaling"][0]["rows"]] == ["off", "train_state"]
+    assert data["settings"]["pynative_synchronize"] is True
+    assert "host_sync_ref / train_state: added wall time" in result.stdout
+    # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step) has
+    # a local_norm per parameter tensor per micro-step, in its own metrics file.
+    tensors = data["main"]["size"]["parameter_tensors"]
+    for config in ("train_state", "+moe+max_logits", "host_sync_ref"):
+        records = read_jsonl(tmp_path / "monitor" / config / "rank_0" / "metrics.jsonl")
+        assert sum(r["kind"] == "local_norm" for r in records) == 4 * K * tensors
+    moe = read_jsonl(tmp_path / "monitor" / "+moe+max_logits" / "rank_0" / "metrics.jsonl")
+    assert {r["kind"] for r in moe} >= {"tokens_per_expert", "max_attention_logit"}
+
+
+def test_host_sync_reference_computes_the_same_norms(rng):
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_overhead import HostSyncPerParameterNorms
+
+    tensors = [Tensor(rng.normal(size=s).astype(np.float32)) for s in [(3, 4), (70000,), (5,)]]
+    reference = HostSyncPerParameterNorms()
+    reference.add("g", tensors)
+    expected = [np.sum(t.asnumpy().astype(np.float64) ** 2) for t in tensors]
+    np.testing.assert_allclose(reference.results()["g"], expected, rtol=1e-5)
+
+
+class _HostReads:
+    """Counts Tensor.asnumpy calls (a spy that calls through) made while the step is inside a group call."""
+
+    def __init__(self, monkeypatch, group):
+        self.in_record, self.in_flush, self._where = 0, 0, None
+        original = Tensor.asnumpy
+
+        def asnumpy(tensor):
+            if self._where == "record":
+                self.in_record += 1
+            elif self._where == "flush":
+                self.in_flush += 1
+            return original(tensor)
+
+        monkeypatch.setattr(Tensor, "asnumpy", asnumpy)
+        for name, where in (("reset", "record"), ("record", "record"), ("flush", "flush")):
+            setattr(group, name, self._inside(getattr(group, name), where))
+
+    def _inside(self, method, where):
+        def call(*args, **kwargs):
+            self._where = where
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._where = None
+        return call
+
+
+def _monitored_step(tmp_path, on_host, monkeypatch):
+    model = make_model()
+    model.set_train(True)
+    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-3)
+    config = MonitorConfig.parse({"output_dir": str(tmp_path), "moe_monitor": {"save_tokens_per_expert_interval": 1},
+                                  "train_state": {"local_norm": True, "local_loss": True, "device_norm": True,
+                                                  "device_loss": True}})
+    group = MonitorGroup(config, model=model, parameter_names=[p.name for p in optimizer.parameters],
+                         on_host=on_host)
+    group.setup()
+    step = AccumulatingTrainStep(lambda ids, labels: model(ids, labels)[0], optimizer, 4, group=group)
+    sequences = make_sequences(8, SMALL_MODEL["seq_length"], SMALL_MODEL["vocab_size"])
+    reads = _HostReads(monkeypatch, group)
+    step(split_batch((Tensor(sequences[:, :-1]), Tensor(sequences[:, 1:])), 4))
+    group.flush(1)
+    group.close()
+    records = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    return reads, len(optimizer.parameters), records
+
+
+def test_device_path_reads_nothing_to_the_host_inside_the_step(tmp_path, monkeypatch):
+    reads, tensors, records = _monitored_step(tmp_path, on_host=False, monkeypatch=monkeypatch)
+    assert reads.in_record == 0
+    # At flush: one stacked transfer per norm key (2 per micro-step), one per loss, one for all MoE
+    # snapshots; never one per parameter.
+    assert reads.in_flush == 2 * 4 + 4 + 1 + 1 < tensors
+    assert sum(r["kind"] == "local_norm" for r in records) == 4 * tensors
+
+
+def test_cpu_path_reads_each_gradient_once_per_micro_step(tmp_path, monkeypatch):
+    reads, tensors, records = _monitored_step(tmp_path, on_host=True, monkeypatch=monkeypatch)
+    moe_layers = len({r["name"] for r in records if r["kind"] == "tokens_per_expert"})
+    # Views of host memory: micro-step 0's gradient is also the accumulated one and is read once;
+    # later micro-steps read their own and the accumulated gradient; MoE counts at step begin and
+    # after each micro-step.
+    assert moe_layers == 2
+    assert reads.in_record == (2 * 4 - 1) * tensors + (4 + 1) * moe_layers
+    device = {r["name"]: r["value"] for r in records if r["kind"] == "device_norm"}
+    increments = {}
+    for r in records:
+        if r["kind"] == "local_norm":
+            increments[r["name"]] = increments.get(r["name"], 0.0) + r["value"]
+    assert increments == pytest.approx(device, rel=1e-6)

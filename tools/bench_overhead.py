@@ -1,0 +1,458 @@
+"""What mindmon's monitors cost per training step, measured in one process on the demo model.
+
+The demo MoE GPT is trained through `AccumulatingTrainStep` + `MonitorGroup` (the code path the
+MindFormers integration wraps) under several monitoring configurations. After warm-up, the
+configurations take turns, a block of steps each, round after round, so that drift of a shared
+machine (other processes, thermal state) falls on all of them alike. A step is timed from the
+micro-batch split to the end of the step-end work (group flush, MaxLogitsMonitor).
+
+Usage (from the repository root; about 8 minutes on a 2-core CPU):
+    PYTHONPATH=. .venv/bin/python tools/bench_overhead.py --json bench_overhead.json
+    PYTHONPATH=. .venv/bin/python tools/bench_overhead.py --tiny --rounds 1 --steps-per-block 1 --warmup 1 \
+        --scaling-layers 2 --json /tmp/b.json          # seconds: proves it runs, measures nothing
+
+Configurations:
+    off                 group=None, model-side max-logit tracking off
+    train_state         local_norm True, local_loss, device_norm True, device_loss (every parameter)
+    +moe+max_logits     train_state + tokens per expert every micro-step + MaxLogitsMonitor every step
+    host_sync_ref       REFERENCE, benchmark only: train_state's records, but each parameter's norm taken
+                        by a MindSpore op and turned into a Python float in the record call (one host
+                        sync per parameter per micro-step, as the upstream MindFormers hook does)
+The scaling run repeats off / train_state at several layer counts.
+"""
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# The main run's demo model (DemoModelConfig keys): every expert runs on every token, so a step is
+# about 6 x parameters x tokens flops of real compute. 4 layers + 1 MTP layer, 10.6M parameters.
+BENCH_MODEL = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 512, "num_attention_heads": 4,
+               "seq_length": 128, "num_experts": 8, "moe_router_topk": 2, "vocab_size": 1024,
+               "first_moe_layer": 1, "mtp_num_layers": 1}
+TINY_MODEL = {**BENCH_MODEL, "num_layers": 2, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 2,
+              "seq_length": 8, "num_experts": 4, "vocab_size": 32}
+
+
+@dataclass
+class BenchSize:
+    """The demo model's sizes and the batch: K = `micro_steps` micro-batches of `micro_batch` sequences."""
+
+    model: dict
+    micro_batch: int = 2
+    micro_steps: int = 4
+
+    def with_model(self, **changes) -> "BenchSize":
+        return replace(self, model={**self.model, **changes})
+
+
+TINY = BenchSize(TINY_MODEL, micro_batch=1, micro_steps=2)
+
+TRAIN_STATE = {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True}
+
+
+class Workload:
+    """One demo model, its optimizer and one fixed global batch, shared by every configuration."""
+
+    def __init__(self, size: BenchSize):
+        from mindspore import Tensor, nn
+
+        from mindmon.demo.data import make_sequences
+        from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
+
+        self.size = size
+        self.config = DemoModelConfig(**size.model)
+        self.model = DemoMoEGPT(self.config)
+        self.model.set_train(True)
+        self.optimizer = nn.AdamWeightDecay(self.model.trainable_params(), learning_rate=1e-4)
+        sequences = make_sequences(size.micro_batch * size.micro_steps, self.config.seq_length,
+                                   self.config.vocab_size)
+        self.batch = (Tensor(sequences[:, :-1]), Tensor(sequences[:, 1:]))
+        self.parameter_names = [p.name for p in self.optimizer.parameters]
+
+    def loss(self, input_ids, labels):
+        return self.model(input_ids, labels)[0]
+
+    def describe(self) -> dict:
+        params = self.optimizer.parameters
+        return {**asdict(self.config), "micro_batch": self.size.micro_batch, "micro_steps": self.size.micro_steps,
+                "parameters": int(sum(p.size for p in params)), "parameter_tensors": len(params)}
+
+
+class HostSyncPerParameterNorms:
+    """REFERENCE ONLY (the strategy mindmon avoids): one MindSpore norm op and one host read per tensor.
+
+    Stands in for `SquaredNorms` inside a TrainStateMonitor, so the records are the same as
+    train_state's and only the way the norms are taken differs.
+    """
+
+    def __init__(self):
+        self._pending: Dict = {}
+
+    def add(self, key, tensors) -> None:
+        from mindspore import ops
+
+        self._pending[key] = np.array([float(ops.norm(t)) ** 2 for t in tensors], dtype=np.float64)
+
+    def results(self) -> Dict:
+        return dict(self._pending)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+class Configuration:
+    """A monitoring configuration: its own train step, group and step counter over the shared workload."""
+
+    def __init__(self, name: str, work: Workload, out_dir: Path, monitor: Optional[dict] = None,
+                 max_logits: bool = False, host_sync_norms: bool = False, read_loss: bool = True):
+        from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup
+        from mindmon.callbacks import MaxLogitsMonitor
+
+        self.name, self.work, self.max_logits, self.read_loss = name, work, max_logits, read_loss
+        self.group = None
+        logger = _file_logger(name, out_dir / name / "info.log")
+        if monitor is not None:
+            config = MonitorConfig.parse({"output_dir": str(out_dir / name), **monitor})
+            self.group = MonitorGroup(config, model=work.model, parameter_names=work.parameter_names,
+                                      logger=logger)
+            if host_sync_norms:
+                for m in self.group.monitors:
+                    if hasattr(m, "collects_norms"):
+                        m._norms = HostSyncPerParameterNorms()  # the only difference from train_state
+            self.group.setup()
+        self.callback = MaxLogitsMonitor(step_interval=1, logger=logger) if max_logits else None
+        if self.callback is not None:
+            self.callback.group, self.callback.rank = self.group, 0
+        self.train_step = AccumulatingTrainStep(work.loss, work.optimizer, work.size.micro_steps,
+                                                group=self.group, max_norm=1.0)
+        self.steps = 0
+        # Seconds inside mindmon's calls: during the step (reset/record) and at step end (flush, callback).
+        self.in_step = self.at_end = 0.0
+        if self.group is not None:
+            for method, during_step in (("reset", True), ("record", True), ("flush", False)):
+                setattr(self.group, method, self._timed(getattr(self.group, method), during_step))
+
+    def _timed(self, method, during_step: bool):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if during_step:
+                    self.in_step += time.perf_counter() - start
+                else:
+                    self.at_end += time.perf_counter() - start
+        return timed
+
+    def enter(self) -> None:
+        """Put the shared model in this configuration's state (max-logit tracking on or off)."""
+        model = self.work.model
+        model.track_max_attention_logit = self.max_logits
+        model.reset_max_attention_logit()
+
+    def step(self) -> "StepTime":
+        """One training step with its step-end work, as a training loop runs it: the loop reads its loss
+        (MindFormers' LossCallback logs it every step), then the monitors flush."""
+        from mindmon import split_batch
+
+        start, cpu_start = time.perf_counter(), time.process_time()
+        self.in_step = self.at_end = 0.0
+        self.steps += 1
+        loss, _ = self.train_step(split_batch(self.work.batch, self.work.size.micro_steps))
+        if self.read_loss:
+            float(loss.asnumpy())
+        if self.group is not None:
+            self.group.flush(self.steps)
+        if self.callback is not None:
+            state = SimpleNamespace(global_step=self.steps, max_steps=10 ** 6)
+            callback_start = time.perf_counter()
+            self.callback.on_step_end(None, state, model=self.work.model)
+            self.at_end += time.perf_counter() - callback_start
+        return StepTime(time.perf_counter() - start, time.process_time() - cpu_start, self.in_step, self.at_end)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+def _file_logger(name: str, path: Path) -> logging.Logger:
+    """The log lines go to a file, as MindFormers' info.log would take them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"mindmon.bench.{name}.{id(path)}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
+    logger.addHandler(handler)
+    return logger
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def _reset_peak_rss() -> bool:
+    """Linux resets the process's peak RSS (VmHWM) on writing 5 to clear_refs; False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class StepTime:
+    """Seconds: wall clock; CPU time of the whole process (all threads; other processes' load does not
+    count, waiting does not count); wall clock inside mindmon's calls during the step (group
+    reset/record: where the norm strategies differ) and at step end (group flush: collect + sinks,
+    and the MaxLogitsMonitor callback). Model-side max-logit tracking is in neither."""
+
+    wall: float
+    cpu: float
+    in_step: float
+    at_end: float
+
+    @property
+    def in_mindmon(self) -> float:
+        return self.in_step + self.at_end
+
+
+@dataclass
+class Samples:
+    """One configuration's measurements: step times per round, peak-RSS rise per block (KiB)."""
+
+    times: List[List[StepTime]]
+    rss_rise_kib: List[int]
+    python_peak_kib: Optional[float] = None
+
+
+def run_interleaved(configs: List[Configuration], rounds: int, steps_per_block: int, warmup: int,
+                    log: Callable[[str], None], python_memory: bool = True) -> Dict[str, Samples]:
+    """Warm every configuration up, then `rounds` rounds of one block per configuration; the order of
+    the configurations rotates from round to round, so none always follows the same neighbour."""
+    for config in configs:
+        config.enter()
+        for _ in range(warmup):
+            config.step()
+    samples = {c.name: Samples([], []) for c in configs}
+    for r in range(rounds):
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for config in order:
+            config.enter()
+            can_reset = _reset_peak_rss()
+            before = _rss_kib("VmRSS")
+            times = [config.step() for _ in range(steps_per_block)]
+            samples[config.name].times.append(times)
+            if can_reset:
+                samples[config.name].rss_rise_kib.append(_rss_kib("VmHWM") - before)
+        log(f"round {r + 1}/{rounds}: " + ", ".join(
+            f"{c.name} {statistics.median(t.wall for t in samples[c.name].times[-1]):.3f}s" for c in configs))
+    for config in configs if python_memory else []:
+        samples[config.name].python_peak_kib = _python_peak_kib(config)
+    return samples
+
+
+def _python_peak_kib(config: Configuration) -> float:
+    """Peak of Python-heap allocations (numpy arrays included) during one untimed step, by tracemalloc
+    (it slows allocation down, so it never runs while steps are timed)."""
+    config.enter()
+    tracemalloc.start()
+    try:
+        config.step()
+        return tracemalloc.get_traced_memory()[1] / 1024
+    finally:
+        tracemalloc.stop()
+
+
+def _median(blocks: List[List[StepTime]], field: str) -> float:
+    return statistics.median(getattr(t, field) for block in blocks for t in block)
+
+
+def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
+    """Per configuration: median step time (wall and CPU) over all timed steps, their ratios to the
+    baseline's, the spread of the per-round wall ratios, time inside mindmon's calls, and memory."""
+    base = samples[baseline].times
+    rows = []
+    for name, s in samples.items():
+        per_round = [_median([a], "wall") / _median([b], "wall") for a, b in zip(s.times, base)]
+        rows.append({
+            "config": name, "steps_timed": sum(len(b) for b in s.times),
+            "median_step_s": _median(s.times, "wall"),
+            "ratio_to_off": _median(s.times, "wall") / _median(base, "wall"),
+            "min_step_s": min(t.wall for block in s.times for t in block),
+            "min_ratio_to_off": min(t.wall for block in s.times for t in block) / min(
+                t.wall for block in base for t in block),
+            "added_ms_per_step": (_median(s.times, "wall") - _median(base, "wall")) * 1e3,
+            "round_ratio_median": statistics.median(per_round),
+            "round_ratio_min": min(per_round), "round_ratio_max": max(per_round),
+            "median_cpu_s": _median(s.times, "cpu"),
+            "cpu_ratio_to_off": _median(s.times, "cpu") / _median(base, "cpu"),
+            "in_mindmon_ms_per_step": _median(s.times, "in_mindmon") * 1e3,
+            "in_step_ms_per_step": _median(s.times, "in_step") * 1e3,
+            "at_end_ms_per_step": _median(s.times, "at_end") * 1e3,
+            "in_mindmon_share_of_off_step": _median(s.times, "in_mindmon") / _median(base, "wall"),
+            "peak_rss_rise_mib": (statistics.median(s.rss_rise_kib) / 1024) if s.rss_rise_kib else None,
+            "python_peak_mib": s.python_peak_kib / 1024 if s.python_peak_kib is not None else None,
+        })
+    return rows
+
+
+def _main_configs(work: Workload, out_dir: Path) -> List[Configuration]:
+    both = {"train_state": TRAIN_STATE, "moe_monitor": {"save_tokens_per_expert_interval": 1}}
+    return [
+        Configuration("off", work, out_dir),
+        Configuration("train_state", work, out_dir, {"train_state": TRAIN_STATE}),
+        Configuration("+moe+max_logits", work, out_dir, both, max_logits=True),
+        Configuration("host_sync_ref", work, out_dir, {"train_state": TRAIN_STATE}, host_sync_norms=True),
+    ]
+
+
+def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
+    work = Workload(size)
+    log(f"main run: {work.describe()}")
+    configs = _main_configs(work, out_dir)
+    samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
+    for config in configs:
+        config.close()
+    rows = summarize(samples)
+    off, ours = rows[0], rows[1]
+    reference = next(r for r in rows if r["config"] == "host_sync_ref")
+    added = max(ours["added_ms_per_step"], 1e-9)
+    return {"size": work.describe(), "rows": rows,
+            "host_sync_added_over_train_state_added": reference["added_ms_per_step"] / added,
+            "host_sync_in_mindmon_over_train_state_in_mindmon":
+                reference["in_mindmon_ms_per_step"] / max(ours["in_mindmon_ms_per_step"], 1e-9),
+            "host_sync_in_step_over_train_state_in_step":
+                reference["in_step_ms_per_step"] / max(ours["in_step_ms_per_step"], 1e-9),
+            "off_median_step_s": off["median_step_s"]}
+
+
+def measure_scaling(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
+    results = []
+    for layers in args.scaling_layers:
+        work = Workload(size.with_model(num_layers=layers))
+        log(f"scaling run, {layers} layers: {work.describe()}")
+        configs = [Configuration("off", work, out_dir / f"L{layers}"),
+                   Configuration("train_state", work, out_dir / f"L{layers}", {"train_state": TRAIN_STATE})]
+        samples = run_interleaved(configs, args.scaling_rounds, 1, args.warmup, log, python_memory=False)
+        for config in configs:
+            config.close()
+        rows = summarize(samples)
+        results.append({"num_layers": layers, "size": work.describe(), "rows": rows})
+    return results
+
+
+def format_tables(result: dict) -> str:
+    head = (f"{'config':<17}{'median step s':>14}{'x off':>8}{'added ms':>10}{'round ratios min..max':>24}"
+            f"{'min x off':>11}"
+            f"{'CPU x off':>11}{'mindmon ms: step+end':>22}{'peak RSS rise MiB':>19}{'py peak MiB':>13}")
+    lines = [f"main run ({result['main']['size']['parameters']:,} parameters in "
+             f"{result['main']['size']['parameter_tensors']} tensors), rounds x steps per block = "
+             f"{result['settings']['rounds']} x {result['settings']['steps_per_block']}", head]
+    lines += [_row_line(r) for r in result["main"]["rows"]]
+    main = result["main"]
+    lines.append(f"host_sync_ref / train_state: added wall time {main['host_sync_added_over_train_state_added']:.1f}x, "
+                 f"time in mindmon calls {main['host_sync_in_mindmon_over_train_state_in_mindmon']:.1f}x, "
+                 f"of which in the step's record calls (where they differ) "
+                 f"{main['host_sync_in_step_over_train_state_in_step']:.1f}x")
+    if result["scaling"]:
+        lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",
+                  f"{'layers':>6}{'params':>12}{'tensors':>9}{'off step s':>12}{'train_state s':>15}{'x off':>8}"
+                  f"{'added ms':>10}{'round ratios min..max':>24}{'CPU x off':>11}{'mindmon ms: step+end':>22}"]
+        for run in result["scaling"]:
+            off, ours = run["rows"]
+            lines.append(f"{run['num_layers']:>6}{run['size']['parameters']:>12,}{run['size']['parameter_tensors']:>9}"
+                         f"{off['median_step_s']:>12.3f}{ours['median_step_s']:>15.3f}{ours['ratio_to_off']:>8.4f}"
+                         f"{ours['added_ms_per_step']:>10.1f}"
+                         f"{ours['round_ratio_min']:>12.4f}..{ours['round_ratio_max']:<10.4f}"
+                         f"{ours['cpu_ratio_to_off']:>11.4f}{_split(ours):>22}")
+    return "\n".join(lines)
+
+
+def _split(row: dict) -> str:
+    return f"{row['in_step_ms_per_step']:.1f}+{row['at_end_ms_per_step']:.1f}"
+
+
+def _row_line(row: dict) -> str:
+    def mib(value):
+        return f"{value:.1f}" if value is not None else "n/a"
+
+    spread = f"{row['round_ratio_min']:.4f}..{row['round_ratio_max']:.4f}"
+    return (f"{row['config']:<17}{row['median_step_s']:>14.3f}{row['ratio_to_off']:>8.4f}"
+            f"{row['added_ms_per_step']:>10.1f}{spread:>24}{row['min_ratio_to_off']:>11.4f}{row['cpu_ratio_to_off']:>11.4f}"
+            f"{_split(row):>22}{mib(row['peak_rss_rise_mib']):>19}"
+            f"{mib(row['python_peak_mib']):>13}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=Path("bench_overhead.json"), help="where the results go")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the main run (one block per config each)")
+    parser.add_argument("--steps-per-block", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first")
+    parser.add_argument("--layers", type=int, default=BENCH_MODEL["num_layers"], help="decoder layers of the main run")
+    parser.add_argument("--scaling-layers", type=int, nargs="*", default=[2, 8, 32])
+    parser.add_argument("--scaling-rounds", type=int, default=3, help="rounds of one step per configuration")
+    parser.add_argument("--scaling-hidden", type=int, default=128,
+                        help="hidden size of the scaling run (ffn = 2x); smaller than the main run's so 32 "
+                             "layers fit the time budget")
+    parser.add_argument("--tiny", action="store_true", help="a toy model (for tests; the numbers mean nothing)")
+    parser.add_argument("--output-dir", type=Path, default=None, help="monitor outputs (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import mindspore as ms
+
+    # Synchronous PyNative: on a small CPU the asynchronous queue makes every step several times slower.
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+    size = TINY if args.tiny else BenchSize(BENCH_MODEL).with_model(num_layers=args.layers)
+    scaling_size = TINY if args.tiny else BenchSize(BENCH_MODEL).with_model(
+        hidden_size=args.scaling_hidden, ffn_hidden_size=2 * args.scaling_hidden)
+    out_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="mindmon-bench-"))
+    started = time.perf_counter()
+
+    def log(message):
+        print(f"[{time.perf_counter() - started:6.0f}s] {message}", flush=True)
+
+    result = {"settings": {"rounds": args.rounds, "steps_per_block": args.steps_per_block, "warmup": args.warmup,
+                           "scaling_rounds": args.scaling_rounds, "pynative_synchronize": True,
+                           "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()},
+              "main": measure_main(size, args, out_dir, log),
+              "scaling": measure_scaling(scaling_size, args, out_dir, log)}
+    result["settings"]["load_average_at_end"] = os.getloadavg()
+    result["settings"]["wall_s"] = time.perf_counter() - started
+    result["settings"]["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(format_tables(result))
+    print(f"written: {args.json} (monitor outputs under {out_dir}); {result['settings']['wall_s']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
