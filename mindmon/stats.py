@@ -57,42 +57,39 @@ def _squared_norm(flat: np.ndarray) -> float:
 
 
 class SquaredNorms:
-    """Collects the squared L2 norm of every tensor in a list, per key; one transfer per key at most.
-
-    A tensor that was also in the previous `add` (the first micro-step's gradient is also the
-    accumulated one) is not read again.
-    """
+    """Collects the squared L2 norm of every tensor in a list, per key; one transfer per key at most."""
 
     def __init__(self, on_host: bool):
         self.on_host = on_host
         self._pending: Dict[Hashable, object] = {}
-        self._last = None  # (tensors, result) of the previous add; released by results()/clear()
 
     def add(self, key: Hashable, tensors: Sequence) -> None:
         if not tensors:
             return
-        tensors = list(tensors)
-        if self._last is not None and len(self._last[0]) == len(tensors) and all(
-                a is b for a, b in zip(self._last[0], tensors)):
-            self._pending[key] = self._last[1]
-        elif self.on_host:
+        if self.on_host:
             self._pending[key] = np.array([_squared_norm(_host_array(t)) for t in tensors], dtype=np.float64)
         else:
             from mindspore import mint, ops
 
             self._pending[key] = ops.stack([mint.sum(mint.square(t.float())) for t in tensors])
-        self._last = (tensors, self._pending[key])
+
+    def alias(self, key: Hashable, existing: Hashable) -> None:
+        """`key` gets the norms already taken for `existing` (the same tensors), without reading them again."""
+        if existing in self._pending:
+            self._pending[key] = self._pending[existing]
 
     def results(self) -> Dict[Hashable, np.ndarray]:
-        self._last = None
-        out = {}
+        out, copied = {}, {}  # an aliased device tensor is copied to the host once
         for key, value in self._pending.items():
-            out[key] = value if isinstance(value, np.ndarray) else value.asnumpy().astype(np.float64)
+            if not isinstance(value, np.ndarray):
+                if id(value) not in copied:
+                    copied[id(value)] = value.asnumpy().astype(np.float64)
+                value = copied[id(value)]
+            out[key] = value
         return out
 
     def clear(self) -> None:
         self._pending.clear()
-        self._last = None
 
 
 def to_float(value) -> float:

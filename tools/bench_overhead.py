@@ -111,6 +111,9 @@ class HostSyncPerParameterNorms:
 
         self._pending[key] = np.array([float(ops.norm(t)) ** 2 for t in tensors], dtype=np.float64)
 
+    def alias(self, key, existing) -> None:
+        self._pending[key] = self._pending[existing]
+
     def results(self) -> Dict:
         return dict(self._pending)
 

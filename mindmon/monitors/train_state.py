@@ -69,7 +69,10 @@ class TrainStateMonitor:
         elif key == LOCAL_NORM and self.collects_norms:
             self._micro_steps.append(micro_step)
             self._norms.add(("accumulated", micro_step), [value.accumulated[i] for i in self.indices])
-            if self.config.local_norm.enabled:
+            if self.config.local_norm.enabled and value.micro is value.accumulated:
+                # Micro-step 0: the micro-batch's gradient is the accumulated one; read it once.
+                self._norms.alias(("micro", micro_step), ("accumulated", micro_step))
+            elif self.config.local_norm.enabled:
                 self._norms.add(("micro", micro_step), [value.micro[i] for i in self.indices])
         elif key == DEVICE_LOSS:
             self._device_loss = value
