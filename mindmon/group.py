@@ -16,6 +16,18 @@ from .sinks import JsonlSink, LogSink, MegatronTokensPerExpertSink
 from .stats import host_is_device
 
 
+class _RankTagged(logging.LoggerAdapter):
+    """Python's logger does not say which process wrote a line; MindFormers' does (rank_<r>/ files)."""
+
+    def process(self, msg, kwargs):
+        return f"[rank {self.extra['rank']}] {msg}", kwargs
+
+
+def _default_logger(rank: int, several_ranks: bool):
+    logger = logging.getLogger("mindmon")
+    return _RankTagged(logger, {"rank": rank}) if several_ranks else logger
+
+
 class MonitorGroup:
     """The monitors a config asks for, and the sinks they write to (one set per rank).
 
@@ -33,15 +45,15 @@ class MonitorGroup:
     """
 
     def __init__(self, config: MonitorConfig, model=None, parameter_names: Sequence[str] = (),
-                 rank: int = 0, logger: Optional[logging.Logger] = None, on_host: Optional[bool] = None,
+                 rank: Optional[int] = None, logger: Optional[logging.Logger] = None, on_host: Optional[bool] = None,
                  profiler: Optional[ProfilerConfig] = None, data_parallel: Optional[DataParallel] = None):
         self.config = config
         self.data_parallel = data_parallel or DataParallel(config.data_parallel_group)
         self.profiler = profiler  # the `profiler:` section; None = no profiling
         self.model = model
-        self.rank = rank
-        self.logger = logger or logging.getLogger("mindmon")
-        self.monitors = self._build_monitors(parameter_names, on_host) if config.selects_rank(rank) else []
+        self.rank = self.data_parallel.rank if rank is None else rank  # default: this process's rank
+        self.logger = logger or _default_logger(self.rank, self.data_parallel.active)
+        self.monitors = self._build_monitors(parameter_names, on_host) if config.selects_rank(self.rank) else []
         # Fixed at build time, so every rank sends the same payload even after a monitor is dropped.
         self._cross_rank = [(m, m.cross_rank_shapes()) for m in self.monitors if hasattr(m, "cross_rank_shapes")]
         self.sinks: List = []

@@ -160,3 +160,28 @@ def test_monitor_ranks_pick_who_collects():
     for bad in ([], [-1], "0", [0.5]):
         with pytest.raises(ConfigError, match=r"monitor\.ranks: got .*; allowed: None \(all ranks\)"):
             MonitorConfig.parse({"ranks": bad})
+
+
+def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog):
+    """Outside MindFormers (whose logger writes rank_<r>/ files), mindmon's own lines say their rank,
+    and a group left to find its rank writes under it. A DataParallel of size 2 stands for an msrun rank."""
+    import logging
+
+    from mindmon.config import MonitorConfig
+    from mindmon.distributed import DataParallel
+    from mindmon.group import MonitorGroup
+
+    two_ranks = DataParallel()
+    two_ranks.size, two_ranks.rank = 2, 1
+    config = MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {"device_loss": True}})
+    group = MonitorGroup(config, data_parallel=two_ranks)
+    assert group.rank == 1
+    with caplog.at_level(logging.INFO, logger="mindmon"):
+        group.setup()
+        group.record("device_loss", 2.5)
+        group.flush(step=3)
+        group.close()
+    assert '[rank 1] { "step": 3, "device_loss": 2.5 }' in caplog.messages
+    assert read_jsonl(tmp_path / "rank_1" / "metrics.jsonl")[0]["rank"] == 1
+    single = MonitorGroup(config, logger=None)
+    assert single.rank == 0 and single.logger is logging.getLogger("mindmon")
