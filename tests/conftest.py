@@ -6,6 +6,7 @@ before anything imports it.
 import copy
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -75,6 +76,31 @@ class StepCounter:
             if event == "on_step_begin":
                 self.step = state.global_step + 1
         return call
+
+
+def count_router_choices(model, counter, topk):
+    """Forward hooks on every demo `Router` cell: {(step, micro_step, layer): numpy count per expert of
+    each token's top-k router scores}, layer = `decoder.layers.<L>` / `mtp.layers.<i>`. The i-th call
+    of a router within a step is micro-step i."""
+    from collections import defaultdict
+
+    from mindmon.demo.model import Router
+
+    counts, calls = {}, defaultdict(int)
+
+    def hook(layer):
+        def on_forward(cell, inputs, scores):
+            scores = scores.asnumpy()
+            chosen = np.argsort(-scores, axis=1)[:, :topk]
+            micro_step = calls[(counter.step, layer)]
+            calls[(counter.step, layer)] += 1
+            counts[(counter.step, micro_step, layer)] = np.bincount(chosen.ravel(), minlength=scores.shape[1])
+        return on_forward
+
+    for name, cell in model.cells_and_names():
+        if isinstance(cell, Router):
+            cell.register_forward_hook(hook(re.match(r"(decoder|mtp)\.layers\.\d+", name).group(0)))
+    return counts
 
 
 def mindformers_log():

@@ -1,37 +1,16 @@
 """monitor.moe_monitor on the real Trainer: tokens per expert against an independent count of the
 router's top-k choices, taken by forward hooks on the routers of the same run."""
 import json
-import re
-from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from conftest import SMALL_MODEL, StepCounter, make_data, mindformers_log, read_jsonl, trainer_config
+from conftest import (SMALL_MODEL, StepCounter, count_router_choices, make_data, mindformers_log, read_jsonl,
+                      trainer_config)
 from mindmon.config import ConfigError, MoEMonitorConfig
-from mindmon.demo.model import DemoModelConfig, DemoMoEGPT, Router
+from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
 
 K, TOPK, LBS, SEQ = 4, SMALL_MODEL["moe_router_topk"], 2, SMALL_MODEL["seq_length"]
-
-
-def _router_reference(model, counter):
-    """{(step, micro_step, layer name): per-expert count of the router's top-k choices}, in numpy."""
-    reference, calls = {}, defaultdict(int)
-
-    def hook(layer):
-        def on_forward(cell, inputs, logits):
-            logits = logits.asnumpy()
-            chosen = np.argsort(-logits, axis=1)[:, :model.config.moe_router_topk]
-            micro_step = calls[(counter.step, layer)]
-            calls[(counter.step, layer)] += 1
-            reference[(counter.step, micro_step, layer)] = np.bincount(chosen.ravel(), minlength=logits.shape[1])
-        return on_forward
-
-    for name, cell in model.cells_and_names():
-        if isinstance(cell, Router):
-            layer = re.match(r"(decoder|mtp)\.layers\.(\d+)", name).group(0)
-            cell.register_forward_hook(hook(layer))
-    return reference
 
 
 def _run(tmp_path, moe_monitor, steps=2, **model_overrides):
@@ -41,7 +20,7 @@ def _run(tmp_path, moe_monitor, steps=2, **model_overrides):
     config["model"].update(model_overrides)
     model = DemoMoEGPT(DemoModelConfig.from_dict(config["model"]))
     counter = StepCounter()
-    reference = _router_reference(model, counter)
+    reference = count_router_choices(model, counter, model.config.moe_router_topk)
     Trainer(config=config, model=model, train_dataset=make_data(config), callbacks=[counter]).train()
     return reference, read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
 

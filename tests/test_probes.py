@@ -1,14 +1,12 @@
 """Probes on a model that tracks nothing itself: MaxLogitsMonitor and moe_monitor work unchanged on
 the real Trainer, and their values equal numpy recomputations from the same Q, K and router scores."""
-from collections import defaultdict
-from types import SimpleNamespace
 
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import mint, nn, ops
 
-from conftest import SMALL_MODEL, StepCounter, make_data, read_jsonl, trainer_config
+from conftest import SMALL_MODEL, StepCounter, count_router_choices, make_data, read_jsonl, trainer_config
 from mindmon.demo.model import DemoModelConfig, DemoMoEGPT, Experts, Linear, Router, WordEmbedding
 from mindmon.probes import attach_max_logit_probes, attach_tokens_per_expert_probes
 
@@ -84,10 +82,9 @@ class PlainMoEGPT(nn.Cell):
         return (-(ops.log_softmax(logits, -1) * one_hot).sum(axis=-1).mean(),)
 
 
-def _references(model, counter):
-    """numpy, from the same tensors the probes see: max of causal QK^T/sqrt(d) per head, running over
-    each step; top-k router choices counted per micro-step."""
-    max_logits, tokens, calls = {}, {}, defaultdict(int)
+def _max_logit_reference(model, counter):
+    """numpy, from the same Q and K the probes see: max of causal QK^T/sqrt(d) per head, running over each step."""
+    max_logits = {}
 
     def on_attention(name):
         def hook(cell, inputs, output):
@@ -99,20 +96,10 @@ def _references(model, counter):
             max_logits[key] = np.maximum(max_logits.get(key, -np.inf), heads)
         return hook
 
-    def on_router(layer):
-        def hook(cell, inputs, output):
-            chosen = np.argsort(-output.asnumpy(), axis=1)[:, :TOPK]
-            micro_step = calls[(counter.step, layer)]
-            calls[(counter.step, layer)] += 1
-            tokens[(counter.step, micro_step, layer)] = np.bincount(chosen.ravel(), minlength=output.shape[1])
-        return hook
-
     for name, cell in model.cells_and_names():
         if isinstance(cell, BatchedAttention):
             cell.register_forward_hook(on_attention(name))
-        if isinstance(cell, Router):
-            cell.register_forward_hook(on_router(name.rsplit(".mlp", 1)[0]))
-    return max_logits, tokens
+    return max_logits
 
 
 def test_probes_feed_both_monitors(tmp_path):
@@ -120,7 +107,8 @@ def test_probes_feed_both_monitors(tmp_path):
 
     model = PlainMoEGPT()
     counter = StepCounter()
-    max_logits, tokens = _references(model, counter)
+    max_logits = _max_logit_reference(model, counter)
+    tokens = count_router_choices(model, counter, TOPK)
     attach_max_logit_probes(model, r"core_attention$", num_heads=HEADS, layout="BNSD", causal=True)
     attach_tokens_per_expert_probes(model, r"mlp\.router$", num_experts=SMALL_MODEL["num_experts"], topk=TOPK)
     config = trainer_config(tmp_path, monitor={"moe_monitor": {"save_tokens_per_expert_interval": 1}},
