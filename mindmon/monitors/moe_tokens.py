@@ -126,8 +126,12 @@ class MoETokensMonitor:
 
         if not self.cross_rank or len(self._snapshots) < 2:
             return None
-        first, last = (self._to_host([s])[0] for s in (self._snapshots[0], self._snapshots[-1]))
-        return [Tensor((last - first)[i].astype(np.float32)) for i in range(len(self.cells))]
+        step_tokens = self._snapshots[-1] - self._snapshots[0]   # (layers, experts), numpy or on device
+        if isinstance(step_tokens, np.ndarray):
+            return [Tensor(layer.astype(np.float32)) for layer in step_tokens]
+        from mindspore import ops
+
+        return list(ops.unstack(step_tokens))  # stays on the device until the all-reduce
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
         self._all_ranks = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
