@@ -24,6 +24,19 @@ SMALL_MODEL = {"vocab_size": 32, "hidden_size": 16, "ffn_hidden_size": 32, "num_
                "first_moe_layer": 1, "mtp_num_layers": 1}
 
 
+# Invalid `profiler:` sections and the key each error must name (item 1 of the profiler issue):
+# the parser tests and the Trainer tests run the same list.
+BAD_PROFILER_SECTIONS = [
+    ({"start_step": 0, "end_step": 3}, "profiler.start_step"),
+    ({"start_step": 2, "end_step": -1}, "profiler.end_step"),
+    ({"start_step": 5, "end_step": 3}, "profiler.end_step"),
+    ({"start_step": 5}, "profiler.end_step"),
+    ({"profiler_level": "Level1"}, "profiler.profiler_level"),
+    ({"profiler_level": True}, "profiler.profiler_level"),
+    ({"profiler_level": 1.0}, "profiler.profiler_level"),
+]
+
+
 def trainer_config(output_dir, steps=2, local_batch_size=2, global_batch_size=8, monitor=None, **sections):
     """A dict config for the stock Trainer, as a user would write the YAML."""
     config = {

@@ -5,6 +5,7 @@ import sys
 import pytest
 import yaml
 
+from conftest import BAD_PROFILER_SECTIONS
 from mindmon.config import ConfigError, ConfigTypeError, ParamFilter, parse_sections
 
 
@@ -79,13 +80,7 @@ def test_target_layers_invalid(value):
     assert "monitor.moe_monitor.target_layers" in str(error)
 
 
-@pytest.mark.parametrize("section,key", [
-    ({"start_step": 0, "end_step": 3}, "profiler.start_step"),
-    ({"start_step": 2, "end_step": -1}, "profiler.end_step"),
-    ({"start_step": 5, "end_step": 3}, "profiler.end_step"),
-    ({"start_step": 5}, "profiler.end_step"),
-    ({"profiler_level": "Level1"}, "profiler.profiler_level"),
-    ({"profiler_level": 1.0}, "profiler.profiler_level"),
+@pytest.mark.parametrize("section,key", BAD_PROFILER_SECTIONS + [
     ({"enable_profiling": "yes"}, "profiler.enable_profiling"),
     ({"profiler_rank": [0, -1]}, "profiler.profiler_rank"),
     ({"profiler_rank": 0}, "profiler.profiler_rank"),

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import make_data, make_model, mindformers_log, trainer_config
+from conftest import BAD_PROFILER_SECTIONS, make_data, make_model, mindformers_log, trainer_config
 
 from mindmon.callbacks.profiler import ProfilerCallback, ProfileWindow
 from mindmon.config import ConfigError, ProfilerConfig, load_yaml
@@ -191,15 +191,7 @@ def test_only_selected_ranks_profile(tmp_path, ranks, built):
     assert any(isinstance(c, ProfilerCallback) for c in trainer.callback_handler.callbacks) == built
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"start_step": 0, "end_step": 2}, "profiler.start_step"),
-    ({"start_step": 1, "end_step": -3}, "profiler.end_step"),
-    ({"start_step": 4, "end_step": 3}, "profiler.end_step"),
-    ({"start_step": 3}, "profiler.end_step"),
-    ({"profiler_level": "Level1"}, "profiler.profiler_level"),
-    ({"profiler_level": True}, "profiler.profiler_level"),
-    ({"profiler_level": 1.0}, "profiler.profiler_level"),
-])
+@pytest.mark.parametrize("section, key", BAD_PROFILER_SECTIONS)
 def test_bad_profiler_section_stops_the_trainer_before_step_1(tmp_path, section, key):
     from mindformers.pynative.trainer import Trainer
 
