@@ -1,0 +1,103 @@
+"""The engine's two interfaces. A `Monitor` turns what the training loop hands it into records; a
+`Sink` writes records somewhere (log lines, a file, TensorBoard, a database). `MonitorGroup` routes
+between them and knows nothing else. The semantics of every record are in docs/semantics.md.
+
+A step, as the group drives it:
+
+    monitor.reset()                              step begin
+    monitor.record(key, value, context)          for each key in monitor.KEYS, any number of times
+    monitor.cross_rank_sums() / receive_...()    only with several data-parallel ranks
+    records = monitor.collect(step)              step end: everything the step produced, in one go
+    sink.write(records); sink.flush()
+
+Example (a monitor of the step's wall time, and a sink that prints):
+
+    class StepTime(Monitor):
+        KEYS = ("step_time",)
+        def record(self, key, value=None, context=None):
+            self.seconds = value
+        def collect(self, step):
+            return [Record(step, None, 0, "step_time", "seconds", self.seconds)]
+
+    class Print(Sink):
+        def write(self, records):
+            for record in records:
+                print(record)
+"""
+import abc
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .records import Record
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a sink may need to know about the run when it opens."""
+
+    rank: int = 0
+    start_step: int = 0                         # > 0: a resumed run, whose files are appended to
+    max_steps: Optional[int] = None             # for `step:[  2/ 10]` prefixes
+    global_batch_size: Optional[int] = None     # for the `vs samples` axis
+    micro_steps_per_step: Optional[int] = None  # K, when the trainer knows it
+
+    @property
+    def resumed(self) -> bool:
+        return self.start_step > 0
+
+
+class Monitor(abc.ABC):
+    """Collects during a step, without host syncs, and returns the step's records at `collect`.
+
+    `KEYS` are the `record(key, ...)` keys it takes; the group calls `record` only for those.
+    The cross-rank hooks let a monitor have tensors summed over the data-parallel group inside the
+    step's one gradient all-reduce: `cross_rank_shapes()` is fixed at construction (every rank must
+    send the same payload), `cross_rank_sums()` gives this rank's tensors (None: send zeros), and
+    `receive_cross_rank_sums(sums)` gets the sums back.
+    """
+
+    KEYS: Tuple[str, ...] = ()
+
+    def reset(self) -> None:
+        """Step begin: forget what the previous step left."""
+
+    def record(self, key: str, value=None, context: Optional[dict] = None) -> None:
+        """One value of the step; `context` may carry `micro_step`."""
+
+    @abc.abstractmethod
+    def collect(self, step: int) -> List[Record]:
+        """Step end: the step's records (one host transfer at most), then ready for the next step."""
+
+    def cross_rank_shapes(self) -> List[tuple]:
+        return []
+
+    def cross_rank_sums(self) -> Optional[list]:
+        return None
+
+    def receive_cross_rank_sums(self, sums: Sequence) -> None:
+        pass
+
+    def close(self) -> None:
+        """Train end: detach hooks, release what the monitor holds."""
+
+
+class SinkClosedError(RuntimeError):
+    """A write to a sink (or group) after `close()`: the run's files are finished."""
+
+
+class Sink(abc.ABC):
+    """Writes records. `open` is called once before the first write, `flush` at every step end (a
+    crash loses at most the step in flight), `close` once at train end."""
+
+    def open(self, run: RunInfo) -> None:
+        pass
+
+    @abc.abstractmethod
+    def write(self, records: Sequence[Record]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
