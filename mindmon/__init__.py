@@ -7,6 +7,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "MonitorGroup": ("mindmon.group", "MonitorGroup"),
+    "build_group": ("mindmon.factory", "build_group"),
+    "build_callbacks": ("mindmon.factory", "build_callbacks"),
     "MonitorConfig": ("mindmon.config", "MonitorConfig"),
     "ConfigError": ("mindmon.config", "ConfigError"),
     "parse_sections": ("mindmon.config", "parse_sections"),

@@ -1,6 +1,7 @@
-"""The record that flows from a monitor to the sinks."""
+"""The record that flows from a monitor to the sinks, and the kinds mindmon writes
+(docs/semantics.md defines each one)."""
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import List, Optional, Union
 
 # Kinds written by the train_state monitor.
 LOCAL_LOSS = "local_loss"      # loss of one micro-batch (not divided by K)
@@ -11,6 +12,8 @@ DEVICE_LOSS = "device_loss"    # mean of the step's micro-batch losses
 
 # Kinds written by MaxLogitsMonitor and the MoE monitor; `name` is the layer.
 MAX_ATTENTION_LOGIT = "max_attention_logit"   # list, per head: running max of QK^T/sqrt(d) over the step
+MAX_ATTENTION_LOGIT_MEAN = "max_attention_logit_mean"  # name "all": mean over every head of every layer
+MAX_ATTENTION_LOGIT_MAX = "max_attention_logit_max"    # name "all": max over every head of every layer
 TOKENS_PER_EXPERT = "tokens_per_expert"       # list, per expert: tokens routed in one micro-step
 TOKENS_PER_EXPERT_STEP = "tokens_per_expert_step"  # list, per expert: the step's tokens, summed over
                                                    # micro-steps and, with several ranks, over the ranks
@@ -41,19 +44,3 @@ class Record:
     name: str
     value: Union[float, List[float]]
     iteration: Optional[int] = None  # global micro-step count, where upstream prints one (`iter`)
-
-    def to_json(self) -> dict:
-        out = {"step": self.step, "micro_step": self.micro_step, "rank": self.rank,
-               "kind": self.kind, "name": self.name, "value": self.value}
-        if self.iteration is not None:
-            out["iter"] = self.iteration
-        return out
-
-
-def moe_layer_fields(name: str) -> Dict[str, Union[str, int]]:
-    """Megatron's fields for an MoE layer record name: `decoder.layers.3` -> block, layer;
-    `mtp.layers.0` -> block, mtp_idx, layer (the MTP module's one transformer layer, 0)."""
-    block, _, index = name.split(".")
-    if block == "mtp":
-        return {"block": "mtp", "mtp_idx": int(index), "layer": 0}
-    return {"block": block, "layer": int(index)}

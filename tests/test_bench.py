@@ -10,7 +10,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from conftest import SMALL_MODEL, make_model, read_jsonl
-from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup, split_batch
+from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_batch
 from mindmon.demo.data import make_sequences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def _monitored_step(tmp_path, on_host, monkeypatch):
     config = MonitorConfig.parse({"output_dir": str(tmp_path), "moe_monitor": {"save_tokens_per_expert_interval": 1},
                                   "train_state": {"local_norm": True, "local_loss": True, "device_norm": True,
                                                   "device_loss": True}})
-    group = MonitorGroup(config, model=model, parameter_names=[p.name for p in optimizer.parameters],
+    group = build_group(config, model=model, parameter_names=[p.name for p in optimizer.parameters],
                          on_host=on_host)
     group.setup()
     step = AccumulatingTrainStep(lambda ids, labels: model(ids, labels)[0], optimizer, 4, group=group)

@@ -1,7 +1,8 @@
-"""The log lines of seed 000 section 1.1, to the character."""
+"""The documented train_state log lines, to the character."""
 import re
 
 from mindmon.records import Record
+from mindmon.formats.log_lines import format_lines
 from mindmon.sinks.log import LogSink
 
 
@@ -15,7 +16,7 @@ def test_lines_in_order_and_to_the_character():
         Record(4, None, 0, "device_norm", "embedding.word_embeddings.weight", 12.3456789),
         Record(4, None, 0, "device_loss", "loss", 1.23456789),
     ]
-    assert LogSink.format(records) == [
+    assert format_lines(records) == [
         '{ "step": 4, "micro_step": 1 }',
         '{ "local_norm": embedding.word_embeddings.weight: 1.500000 }',
         '{ "micro_step": 1, "local_loss": 2.5 }',
@@ -29,7 +30,7 @@ def test_lines_in_order_and_to_the_character():
 
 
 def test_no_marker_without_norms():
-    lines = LogSink.format([Record(1, 0, 0, "local_loss", "loss", 3.0)])
+    lines = format_lines([Record(1, 0, 0, "local_loss", "loss", 3.0)])
     assert lines == ['{ "micro_step": 0, "local_loss": 3.0 }']
 
 

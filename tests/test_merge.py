@@ -2,7 +2,7 @@
 import csv
 import json
 
-from mindmon.merge import merge
+from mindmon.analysis.merge import merge
 
 
 def _write(root, rank, rows):

@@ -152,11 +152,11 @@ def test_merge_table(run):
 
 def test_monitor_ranks_pick_who_collects():
     from mindmon.config import ConfigError, MonitorConfig
-    from mindmon.group import MonitorGroup
+    from mindmon.factory import build_callbacks, build_group
 
     config = MonitorConfig.parse({"ranks": [0, 2], "train_state": {"device_loss": True}})
-    assert [MonitorGroup(config, rank=r).active for r in range(3)] == [True, False, True]
-    assert MonitorGroup(config, rank=1).callbacks() == []
+    assert [build_group(config, rank=r).active for r in range(3)] == [True, False, True]
+    assert build_callbacks(build_group(config, rank=1), config) == []
     for bad in ([], [-1], "0", [0.5]):
         with pytest.raises(ConfigError, match=r"monitor\.ranks: got .*; allowed: None \(all ranks\)"):
             MonitorConfig.parse({"ranks": bad})
@@ -169,12 +169,12 @@ def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog
 
     from mindmon.config import MonitorConfig
     from mindmon.distributed import DataParallel
-    from mindmon.group import MonitorGroup
+    from mindmon.factory import build_callbacks, build_group
 
     two_ranks = DataParallel()
     two_ranks.size, two_ranks.rank = 2, 1
     config = MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {"device_loss": True}})
-    group = MonitorGroup(config, data_parallel=two_ranks)
+    group = build_group(config, data_parallel=two_ranks)
     assert group.rank == 1
     with caplog.at_level(logging.INFO, logger="mindmon"):
         group.setup()
@@ -183,5 +183,5 @@ def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog
         group.close()
     assert '[rank 1] { "step": 3, "device_loss": 2.5 }' in caplog.messages
     assert read_jsonl(tmp_path / "rank_1" / "metrics.jsonl")[0]["rank"] == 1
-    single = MonitorGroup(config, logger=None)
+    single = build_group(config, logger=None)
     assert single.rank == 0 and single.logger is logging.getLogger("mindmon")

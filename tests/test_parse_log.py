@@ -18,7 +18,7 @@ def tolerance(kind, value):
         return 5e-7 + 1e-12
     if kind == "learning_rate":
         return abs(value) * 5e-7
-    if kind == "max_attention_logit":
+    if kind.startswith("max_attention_logit"):   # per layer, and the mean / max over all heads
         return abs(value) * 5e-4
     return 0.0
 
@@ -71,7 +71,7 @@ UPSTREAM_LOG = """\
 
 
 def test_upstream_formats(tmp_path):
-    from mindmon.parse_log import parse_log
+    from mindmon.analysis.parse_log import parse_log
 
     log = tmp_path / "worker_2.log"
     log.write_text(UPSTREAM_LOG)
@@ -89,6 +89,8 @@ def test_upstream_formats(tmp_path):
         (3, 1, 2, "tokens_per_expert", "mtp.layers.0", [1, 0, 3, 12], 5),
         (3, None, 2, "max_attention_logit", "decoder.layers.0.self_attention.core_attention.max_logits_val",
          [1.5, 12.25], None),
+        (3, None, 2, "max_attention_logit_mean", "all", 6.875, None),   # the summaries are records too
+        (3, None, 2, "max_attention_logit_max", "all", 12.25, None),
         (6, 0, 2, "tokens_per_expert", "decoder.layers.2", [3, 1], None),   # Megatron: iter = step, one list per micro-batch
         (6, 1, 2, "tokens_per_expert", "decoder.layers.2", [0, 4], None),
         (4, None, 2, "loss", "loss", 4.5, None),   # grad_norm: NaN = the trainer gave none: no record
@@ -102,7 +104,7 @@ def test_upstream_formats(tmp_path):
 def test_local_loss_lines_without_markers_follow_the_steps():
     """Only local_loss switched on: no marker carries the step, so a micro-step that does not move
     forward starts the next step."""
-    from mindmon.parse_log import LogParser
+    from mindmon.analysis.parse_log import LogParser
 
     parser = LogParser()
     lines = ['{ step:[    1/    2], loss: 1.0, per_step_time: 5ms, grad_norm: 1.0 }']
@@ -120,6 +122,6 @@ def test_missing_log_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("path,rank", [("/x/log/rank_3/info.log", 3), ("/x/msrun/worker_1.log", 1), ("/x/a.log", 0)])
 def test_rank_from_path(path, rank):
-    from mindmon.parse_log import rank_of
+    from mindmon.analysis.parse_log import rank_of
 
     assert rank_of(path) == rank

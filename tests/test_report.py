@@ -43,8 +43,8 @@ def test_demo_report_has_every_figure(view_demo, tmp_path):
 
 
 def test_group_norms_are_the_norms_of_the_parameters_in_the_group(view_demo):
-    from mindmon.report import group_norms, parameter_group
-    from mindmon.run_files import read_records
+    from mindmon.analysis.report import group_norms, parameter_group
+    from mindmon.formats.jsonl import read_records
 
     assert parameter_group("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight") == "decoder.layers.1.mlp"
     assert parameter_group("mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight") == \

@@ -32,7 +32,6 @@ import time
 import tracemalloc
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -121,49 +120,72 @@ class HostSyncPerParameterNorms:
         self._pending.clear()
 
 
+class TimedGroup:
+    """Forwards the training step's calls to a MonitorGroup and adds up the seconds spent in them:
+    during the step (reset/record) and at step end (flush)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.in_step = self.at_end = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.group.active
+
+    def _timed(self, during_step: bool, method, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if during_step:
+                self.in_step += time.perf_counter() - start
+            else:
+                self.at_end += time.perf_counter() - start
+
+    def reset(self) -> None:
+        self._timed(True, self.group.reset)
+
+    def record(self, key, value=None, context=None) -> None:
+        self._timed(True, self.group.record, key, value, context)
+
+    def flush(self, step: int) -> None:
+        self._timed(False, self.group.flush, step)
+
+
+def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[dict], max_logits: bool,
+                 host_sync_norms: bool):
+    from mindmon import build_group, parse_sections
+    from mindmon.factory import build_sinks
+    from mindmon.group import MonitorGroup
+    from mindmon.monitors import TrainStateMonitor
+
+    logger = _file_logger(name, out_dir / name / "info.log")
+    callbacks = [{"type": "MaxLogitsMonitor", "step_interval": 1}] if max_logits else []
+    config = parse_sections({"monitor": {"output_dir": str(out_dir / name), **(monitor or {})},
+                             "callbacks": callbacks})
+    if host_sync_norms:   # the only difference from train_state: how the same squared norms are taken
+        state = TrainStateMonitor(config.monitor.train_state, work.parameter_names, 0, True,
+                                  norms=HostSyncPerParameterNorms())
+        return MonitorGroup([state], build_sinks(config.monitor, logger), 0, logger)
+    return build_group(config, model=work.model, parameter_names=work.parameter_names, rank=0, logger=logger)
+
+
 class Configuration:
     """A monitoring configuration: its own train step, group and step counter over the shared workload."""
 
     def __init__(self, name: str, work: Workload, out_dir: Path, monitor: Optional[dict] = None,
                  max_logits: bool = False, host_sync_norms: bool = False, read_loss: bool = True):
-        from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup
-        from mindmon.callbacks import MaxLogitsMonitor
+        from mindmon import AccumulatingTrainStep
 
         self.name, self.work, self.max_logits, self.read_loss = name, work, max_logits, read_loss
         self.group = None
-        logger = _file_logger(name, out_dir / name / "info.log")
-        if monitor is not None:
-            config = MonitorConfig.parse({"output_dir": str(out_dir / name), **monitor})
-            self.group = MonitorGroup(config, model=work.model, parameter_names=work.parameter_names,
-                                      logger=logger)
-            if host_sync_norms:
-                for m in self.group.monitors:
-                    if hasattr(m, "collects_norms"):
-                        m._norms = HostSyncPerParameterNorms()  # the only difference from train_state
-            self.group.setup()
-        self.callback = MaxLogitsMonitor(step_interval=1, logger=logger) if max_logits else None
-        if self.callback is not None:
-            self.callback.group, self.callback.rank = self.group, 0
+        if monitor is not None or max_logits:
+            group = _build_group(name, work, out_dir, monitor, max_logits, host_sync_norms)
+            group.setup(max_steps=10 ** 6)
+            self.group = TimedGroup(group)
         self.train_step = AccumulatingTrainStep(work.loss, work.optimizer, work.size.micro_steps,
                                                 group=self.group, max_norm=1.0)
         self.steps = 0
-        # Seconds inside mindmon's calls: during the step (reset/record) and at step end (flush, callback).
-        self.in_step = self.at_end = 0.0
-        if self.group is not None:
-            for method, during_step in (("reset", True), ("record", True), ("flush", False)):
-                setattr(self.group, method, self._timed(getattr(self.group, method), during_step))
-
-    def _timed(self, method, during_step: bool):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if during_step:
-                    self.in_step += time.perf_counter() - start
-                else:
-                    self.at_end += time.perf_counter() - start
-        return timed
 
     def enter(self) -> None:
         """Put the shared model in this configuration's state (max-logit tracking on or off)."""
@@ -177,23 +199,20 @@ class Configuration:
         from mindmon import split_batch
 
         start, cpu_start = time.perf_counter(), time.process_time()
-        self.in_step = self.at_end = 0.0
+        if self.group is not None:
+            self.group.in_step = self.group.at_end = 0.0
         self.steps += 1
         loss, _ = self.train_step(split_batch(self.work.batch, self.work.size.micro_steps))
         if self.read_loss:
             float(loss.asnumpy())
         if self.group is not None:
             self.group.flush(self.steps)
-        if self.callback is not None:
-            state = SimpleNamespace(global_step=self.steps, max_steps=10 ** 6)
-            callback_start = time.perf_counter()
-            self.callback.on_step_end(None, state, model=self.work.model)
-            self.at_end += time.perf_counter() - callback_start
-        return StepTime(time.perf_counter() - start, time.process_time() - cpu_start, self.in_step, self.at_end)
+        in_step, at_end = (self.group.in_step, self.group.at_end) if self.group is not None else (0.0, 0.0)
+        return StepTime(time.perf_counter() - start, time.process_time() - cpu_start, in_step, at_end)
 
     def close(self) -> None:
         if self.group is not None:
-            self.group.close()
+            self.group.group.close()
 
 
 def _file_logger(name: str, path: Path) -> logging.Logger:

@@ -32,7 +32,7 @@ class MonitorCallback(TrainerCallback):
     step is over, with the trainer's own step values (loss, grad norm, lr, samples).
 
     Example:
-        group = MonitorGroup(config.monitor, parameter_names=[p.name for p in optimizer.parameters])
+        group = build_group(config, parameter_names=[p.name for p in optimizer.parameters])
         trainer.callback_handler.add_callback(MonitorCallback(group))
     """
 
@@ -41,7 +41,8 @@ class MonitorCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, **kwargs):
         self.group.setup(start_step=getattr(state, "global_step", 0),
-                         global_batch_size=getattr(state, "global_batch_size", 0) or None)
+                         global_batch_size=getattr(state, "global_batch_size", 0) or None,
+                         max_steps=getattr(state, "max_steps", None))
 
     def on_step_end(self, args, state, **kwargs):
         try:

@@ -1,4 +1,4 @@
-"""ProfilerCallback: MindSpore Profiler over a window of global steps (seed 000, section 2)."""
+"""ProfilerCallback: MindSpore Profiler over a window of global steps (docs/semantics.md, docs/profiler.md)."""
 import glob
 import logging
 import os
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import ProfilerConfig
+from ..formats import layout
 from .base import TrainerCallback
 
 
@@ -50,7 +51,7 @@ def profiler_level(level: int):
 def rank_dir(config: ProfilerConfig, rank: int) -> str:
     """`output_path/rank_<r>`, or `<cwd>/profile/rank_<r>` when `output_path` is None (absolute)."""
     root = config.output_path if config.output_path is not None else os.path.join(os.getcwd(), "profile")
-    return os.path.join(os.path.abspath(root), f"rank_{rank}")
+    return layout.rank_dir(os.path.abspath(root), rank)
 
 
 class ProfilerCallback(TrainerCallback):

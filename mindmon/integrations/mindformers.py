@@ -12,6 +12,7 @@
 """
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import os
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 from ..callbacks import MaxLogitsMonitor
 from ..config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml, parse_sections
 from ..distributed import DataParallel
-from ..group import MonitorGroup
+from ..factory import MAX_LOGITS_CALLBACK, build_callbacks, build_group
 from ..step import AccumulatingTrainStep, split_batch
 
 SUPPORTED_VERSIONS = ("1.9.",)
@@ -159,13 +160,15 @@ def _attach(trainer, config: MindmonConfig) -> None:
             f"training.global_batch_size: got {training.global_batch_size}, which is not a multiple of "
             f"data_parallel ({data_parallel}) x training.local_batch_size ({training.local_batch_size}); "
             f"allowed: a multiple, so that every step runs whole micro-batches")
+    logger = _mindformers_logger()
+    config = _with_max_logits(trainer, config, logger)
     names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
-    group = MonitorGroup(config.monitor, model=trainer.model, parameter_names=names, rank=_rank(),
-                         logger=_mindformers_logger(), profiler=config.profiler)
-    for callback in group.callbacks():
+    reduction = DataParallel(config.monitor.data_parallel_group)
+    group = build_group(config, model=trainer.model, parameter_names=names, rank=_rank(), logger=logger,
+                        data_parallel=reduction)
+    for callback in build_callbacks(group, config):
         trainer.callback_handler.add_callback(callback)
-    _configure_max_logits(trainer, config, group)
-    trainer._mindmon = SimpleNamespace(config=config, group=group, train_step=None)
+    trainer._mindmon = SimpleNamespace(config=config, group=group, data_parallel=reduction, train_step=None)
 
 
 def _is_muon(optimizer) -> bool:
@@ -174,28 +177,26 @@ def _is_muon(optimizer) -> bool:
     return isinstance(optimizer, Muon)
 
 
-def _configure_max_logits(trainer, config: MindmonConfig, group: MonitorGroup) -> None:
-    """Model-side max-logit tracking goes on when a MaxLogitsMonitor is registered (matched by class,
-    so a subclass counts) or the optimizer is Muon with `qk_clip_enabled`; in the second case a
-    MaxLogitsMonitor is added when none is, so the running max is reset every step. Tracking is
-    never switched off here."""
+def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
+    """The config with one `MaxLogitsMonitor` entry for the MaxLogitsMonitor callbacks the trainer
+    holds (from the YAML or passed in code; matched by class, so a subclass counts). With Muon and
+    `qk_clip_enabled` and no such callback, one (step_interval 1) is added, so the model's running
+    max is tracked and reset every step. Tracking is never switched off here."""
     handler = trainer.callback_handler
-    monitors = [c for c in handler.callbacks if isinstance(c, MaxLogitsMonitor)]
+    declared = [c for c in handler.callbacks if isinstance(c, MaxLogitsMonitor)]
     if config.qk_clip_enabled:
         if config.optimizer_type != "Muon" and not _is_muon(trainer.optimizer):
-            group.logger.warning(f"mindmon: optimizer.qk_clip_enabled is True but the optimizer is "
-                                 f"{config.optimizer_type or type(trainer.optimizer).__name__}, not Muon; "
-                                 f"QK clip does not apply and does not switch on max-logit tracking")
-        elif not monitors:
-            monitors = [MaxLogitsMonitor(step_interval=1)]
-            handler.add_callback(monitors[0])
-            group.logger.info("mindmon: Muon with qk_clip_enabled: max attention logit tracking on, and a "
-                              "MaxLogitsMonitor (step_interval 1) added to reset it every step")
-    for monitor in monitors:
-        monitor.group, monitor.rank, monitor.logger = group, group.rank, group.logger
-        monitor.data_parallel = group.data_parallel
-    if monitors and hasattr(trainer.model, "track_max_attention_logit"):
-        trainer.model.track_max_attention_logit = True
+            logger.warning(f"mindmon: optimizer.qk_clip_enabled is True but the optimizer is "
+                           f"{config.optimizer_type or type(trainer.optimizer).__name__}, not Muon; "
+                           f"QK clip does not apply and does not switch on max-logit tracking")
+        elif not declared:
+            declared = [MaxLogitsMonitor(step_interval=1)]
+            handler.add_callback(declared[0])
+            logger.info("mindmon: Muon with qk_clip_enabled: max attention logit tracking on, and a "
+                        "MaxLogitsMonitor (step_interval 1) added to reset it every step")
+    others = tuple(c for c in config.callbacks if c.get("type") != MAX_LOGITS_CALLBACK)
+    entries = tuple({"type": MAX_LOGITS_CALLBACK, "step_interval": c.step_interval} for c in declared)
+    return dataclasses.replace(config, callbacks=others + entries)
 
 
 def _training_step(self, model, inputs, grad_fn):
@@ -206,5 +207,5 @@ def _training_step(self, model, inputs, grad_fn):
     if state.train_step is None:
         state.train_step = AccumulatingTrainStep(
             lambda batch: self.compute_loss(model, batch), self.optimizer, self.num_accumulation_steps,
-            group=state.group, max_norm=self.config.training.max_norm, data_parallel=state.group.data_parallel)
+            group=state.group, max_norm=self.config.training.max_norm, data_parallel=state.data_parallel)
     return state.train_step(split_batch(inputs, self.num_accumulation_steps))

@@ -1,10 +1,10 @@
-"""`monitor.moe_monitor`: tokens per expert, per micro-step and MoE layer (seed 000, section 1.2).
+"""`monitor.moe_monitor`: tokens per expert, per micro-step and MoE layer (docs/semantics.md).
 
 The model keeps a cumulative `tokens_per_expert` count in each MoE layer (MindFormers' MoE layer and
 the demo's do; `mindmon.probes` adds one to a router that lacks it). The monitor snapshots every
 selected layer's count at step begin and after each micro-step; the difference of two snapshots is
-what one micro-batch routed. Micro-step k of step s is global micro-step `iter = (s - 1) * K + k`
-(0-based, as upstream prints it); it is written when `iter % save_tokens_per_expert_interval == 0`.
+what one micro-batch routed. A micro-step is written when its global micro-step `iter`
+(mindmon.formats.layout) is a multiple of `save_tokens_per_expert_interval`.
 """
 import logging
 import re
@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..config import ConfigError, MoEMonitorConfig
+from ..engine import Monitor
+from ..formats.layout import global_micro_step
 from ..records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
                        TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
@@ -88,7 +90,7 @@ def select_layers(model, config: MoEMonitorConfig, logger: logging.Logger) -> Li
     return selected
 
 
-class MoETokensMonitor:
+class MoETokensMonitor(Monitor):
     """Records `tokens_per_expert` per selected micro-step and layer, and per-step load summaries.
 
     Example:
@@ -162,7 +164,7 @@ class MoETokensMonitor:
         num_micro_steps = per_micro_step.shape[0]
         records = []
         for micro_step, routed in enumerate(per_micro_step):
-            iteration = (step - 1) * num_micro_steps + micro_step
+            iteration = global_micro_step(step, micro_step, num_micro_steps)
             if iteration % self.config.save_tokens_per_expert_interval == 0:
                 records += [Record(step, micro_step, self.rank, TOKENS_PER_EXPERT, layer.name,
                                    [int(v) for v in tokens], iteration)

@@ -1,6 +1,6 @@
 """`monitor.train_state`: per-parameter gradient norms per micro-step, micro-batch and device losses.
 
-Semantics (DESIGN.md): micro-batch k contributes g_k = grad(loss_k / K); G_k = g_0 + ... + g_k is
+Semantics (docs/semantics.md): micro-batch k contributes g_k = grad(loss_k / K); G_k = g_0 + ... + g_k is
 the gradient accumulated so far and A_k = |G_k| per parameter.
     local_norm  at micro-step k = A_k - A_{k-1}   (A_{-1} = 0)
     device_norm                 = A_{K-1}         (the gradient the optimizer gets, before clipping;
@@ -10,11 +10,12 @@ the gradient accumulated so far and A_k = |G_k| per parameter.
 `device_norm` forces the collection of the norms it needs; each switch filters its own output.
 """
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from ..config import ConfigError, TrainStateConfig
+from ..engine import Monitor
 from ..records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
 from ..stats import SquaredNorms, to_float
 
@@ -28,7 +29,7 @@ class GradientSnapshot:
     accumulated: Sequence
 
 
-class TrainStateMonitor:
+class TrainStateMonitor(Monitor):
     """Collects `local_loss`, `local_norm`, `device_loss`, `device_norm` records for one step.
 
     Example:
@@ -42,7 +43,7 @@ class TrainStateMonitor:
     KEYS = (LOCAL_LOSS, LOCAL_NORM, DEVICE_LOSS, DEVICE_NORM)
 
     def __init__(self, config: TrainStateConfig, parameter_names: Sequence[str], rank: int = 0,
-                 on_host: bool = True):
+                 on_host: bool = True, norms: Optional[SquaredNorms] = None):
         self.config = config
         self.rank = rank
         _check_filters_match(config, parameter_names)
@@ -53,7 +54,8 @@ class TrainStateMonitor:
         self.local_mask = np.array([config.local_norm.matches(n) for n in self.names], dtype=bool)
         self.device_mask = np.array([config.device_norm.matches(n) for n in self.names], dtype=bool)
         self.collects_norms = bool(self.indices)
-        self._norms = SquaredNorms(on_host)
+        # `norms` lets a benchmark swap in another way of taking the same squared norms.
+        self._norms = norms if norms is not None else SquaredNorms(on_host)
         self.reset()
 
     def reset(self) -> None:
@@ -113,7 +115,6 @@ class TrainStateMonitor:
 
     def _record(self, step, micro_step, kind, name, value) -> Record:
         return Record(step, micro_step, self.rank, kind, name, value)
-
 
 
 def _check_filters_match(config: TrainStateConfig, parameter_names: Sequence[str]) -> None:

@@ -1,35 +1,22 @@
-"""One JSON object per line, per rank: `<output dir>/rank_<r>/metrics.jsonl`."""
-import json
-import os
-from typing import Iterable
+"""JsonlSink: every record, lossless, in `<output_dir>/rank_<r>/metrics.jsonl` (mindmon.formats.jsonl)."""
+from typing import List, Sequence
 
+from ..formats import jsonl
 from ..records import Record
+from .lines import LinesFileSink
 
 
-def metrics_path(output_dir: str, rank: int) -> str:
-    return os.path.join(output_dir, f"rank_{rank}", "metrics.jsonl")
-
-
-class JsonlSink:
-    """Appends records to the rank's metrics file and flushes at every write (= every step end),
-    so a crash loses at most the step in flight.
+class JsonlSink(LinesFileSink):
+    """One JSON object per record, flushed at every step end, so a crash loses at most the step in flight.
 
     Example:
-        sink = JsonlSink("./output/monitor", rank=0)
+        sink = JsonlSink("./output/monitor")
+        sink.open(RunInfo(rank=0))
         sink.write(records)   # {"step": 1, "micro_step": 0, "rank": 0, "kind": "local_loss", ...}
     """
 
-    def __init__(self, output_dir: str, rank: int, append: bool = False):
-        self.path = metrics_path(output_dir, rank)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        # A resumed run appends to the file of the run it continues; a new run starts it afresh.
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+    def file_path(self, rank: int) -> str:
+        return jsonl.metrics_path(self.output_dir, rank)
 
-    def write(self, records: Iterable[Record]) -> None:
-        for record in records:
-            self._file.write(json.dumps(record.to_json()) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+    def lines(self, records: Sequence[Record]) -> List[str]:
+        return [jsonl.encode(record) for record in records]

@@ -1,21 +1,26 @@
 """TensorBoard event files, per rank: `<tensorboard_dir>/rank_<r>/events.out.tfevents.*`.
 
 Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate`,
-`max_attention_logit`), and `<kind>/<name>[/<index>]` otherwise. Step-level values are plotted
-against the training step; micro-step values against the global micro-step `(step - 1) * K + k`.
+`max_attention_logit`), and `<kind>/<name>[/<index>]` otherwise (the max attention logit over every head of every layer is
+Megatron's `max_attention_logit`, their mean `max_attention_logit/mean`). Step-level values are
+plotted against the training step; micro-step values against the global micro-step
+(mindmon.formats.layout).
 When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
 (Megatron's `<tag> vs samples`), against the samples consumed so far.
 """
-import os
 from collections import defaultdict
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
-from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT, SAMPLES,
-                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
+from ..engine import RunInfo, Sink, SinkClosedError
+from ..formats.layout import global_micro_step, rank_dir
+from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
+                       MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, SAMPLES, TOKENS_PER_EXPERT,
+                       TOKENS_PER_EXPERT_STEP, Record)
 
 # Megatron's names for the scalars it also plots, as tensorboardX writes them (it turns the
 # characters TensorBoard does not allow in a tag, such as spaces, into "_": "lm loss" -> "lm_loss").
-MEGATRON_TAGS = {LOSS: "lm_loss", GRAD_NORM: "grad-norm", LEARNING_RATE: "learning-rate"}
+MEGATRON_TAGS = {LOSS: "lm_loss", GRAD_NORM: "grad-norm", LEARNING_RATE: "learning-rate",
+                 MAX_ATTENTION_LOGIT_MAX: MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MEAN: f"{MAX_ATTENTION_LOGIT}/mean"}
 # One curve per kind: the record's name ("loss") adds nothing.
 KIND_TAGS = (DEVICE_LOSS, LOCAL_LOSS)
 VS_SAMPLES = "_vs_samples"
@@ -51,20 +56,6 @@ def record_tags(record: Record) -> List[Tuple[str, float]]:
     return [(f"{record.kind}/{record.name}", record.value)]
 
 
-def step_summaries(records: List[Record]) -> List[Tuple[int, str, float]]:
-    """Per step: `max_attention_logit` (max over every head of every layer, Megatron's tag) and
-    `max_attention_logit/mean` (as MaxLogitsMonitor logs them)."""
-    heads = defaultdict(list)
-    for record in records:
-        if record.kind == MAX_ATTENTION_LOGIT:
-            heads[record.step].extend(record.value)
-    out = []
-    for step, values in heads.items():
-        out.append((step, MAX_ATTENTION_LOGIT, max(values)))
-        out.append((step, f"{MAX_ATTENTION_LOGIT}/mean", sum(values) / len(values)))
-    return out
-
-
 class Axes:
     """Where a record sits on the x axes: training step (or global micro-step), and samples.
 
@@ -88,8 +79,9 @@ class Axes:
     def step(self, record: Record) -> int:
         if record.micro_step is None:
             return record.step
-        iteration = getattr(record, "iteration", None)
-        return iteration if iteration is not None else (record.step - 1) * self.micro_steps + record.micro_step
+        if record.iteration is not None:
+            return record.iteration
+        return global_micro_step(record.step, record.micro_step, self.micro_steps)
 
     def samples(self, record: Record) -> Optional[int]:
         if not self.global_batch_size:
@@ -100,41 +92,51 @@ class Axes:
         return (record.step - 1) * self.global_batch_size + (record.micro_step + 1) * per_micro
 
 
-class TensorBoardSink:
-    """Writes every record as TensorBoard scalars (tensorboardX), flushed at every step end.
+class TensorBoardSink(Sink):
+    """Writes every record as TensorBoard scalars (tensorboardX), flushed at every step end, to
+    `<tensorboard_dir>/rank_<r>/`.
 
     Example:
-        sink = TensorBoardSink("./output/tensorboard", rank=0, global_batch_size=8)
+        sink = TensorBoardSink("./output/tensorboard")
+        sink.open(RunInfo(rank=0, global_batch_size=8))
         sink.write([Record(1, None, 0, "grad_norm", "global", 1.19)])   # tags grad-norm, grad-norm_vs_samples
         sink.close()
     """
 
-    def __init__(self, tensorboard_dir: str, rank: int, log_interval: int = 1, queue_size: int = 1000,
-                 global_batch_size: Optional[int] = None, micro_steps_per_step: Optional[int] = None):
-        from tensorboardX import SummaryWriter
-
-        self.log_dir = os.path.join(tensorboard_dir, f"rank_{rank}")
+    def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000):
+        self.tensorboard_dir = tensorboard_dir
         self.log_interval = log_interval
-        self.axes = Axes(global_batch_size, micro_steps_per_step)
-        self._writer = SummaryWriter(self.log_dir, max_queue=queue_size)
+        self.queue_size = queue_size
+        self.log_dir: Optional[str] = None
+        self.axes = Axes()
+        self._writer = None
+        self._closed = False
 
-    def write(self, records: Iterable[Record]) -> None:
+    def open(self, run: RunInfo) -> None:
+        from ..extras import require
+
+        SummaryWriter = require("tensorboard", "tensorboardX").SummaryWriter
+        self.log_dir = rank_dir(self.tensorboard_dir, run.rank)
+        self.axes = Axes(run.global_batch_size, run.micro_steps_per_step)
+        self._writer = SummaryWriter(self.log_dir, max_queue=self.queue_size)
+
+    def write(self, records: Sequence[Record]) -> None:
+        if self._closed:
+            raise SinkClosedError(f"mindmon: TensorBoardSink: write after close(); {self.log_dir} is finished")
         records = [r for r in records if r.step % self.log_interval == 0]
         self.axes.see(records)
         for record in records:
             step, samples = self.axes.step(record), self.axes.samples(record)
             for tag, value in record_tags(record):
-                self._add(tag, value, step, samples)
-        for step, tag, value in step_summaries(records):
-            samples = self.axes.global_batch_size * step if self.axes.global_batch_size else None
-            self._add(tag, value, step, samples)
-        self._writer.flush()
+                self._writer.add_scalar(tag, value, step)
+                if samples is not None:
+                    self._writer.add_scalar(tag + VS_SAMPLES, value, samples)
 
-    def _add(self, tag: str, value: float, step: int, samples: Optional[int]) -> None:
-        self._writer.add_scalar(tag, value, step)
-        if samples is not None:
-            self._writer.add_scalar(tag + VS_SAMPLES, value, samples)
+    def flush(self) -> None:
+        if self._writer is not None and not self._closed:
+            self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
-
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+from ..records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                       MAX_ATTENTION_LOGIT, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
-from .run_files import metrics_files, read_records
+from ..formats.jsonl import metrics_files, read_records
 from .to_tensorboard import run_shape
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")

@@ -8,9 +8,10 @@ import sys
 from itertools import groupby
 from typing import List, Tuple
 
-from .records import SAMPLES, Record
-from .run_files import metrics_files, read_records
-from .sinks.tensorboard import TensorBoardSink
+from ..records import SAMPLES, Record
+from ..formats.jsonl import metrics_files, read_records
+from ..engine import RunInfo
+from ..sinks.tensorboard import TensorBoardSink
 
 
 def run_shape(records: List[Record]) -> Tuple[int, int]:
@@ -27,10 +28,12 @@ def convert(run_dir: str, tensorboard_dir: str, progress=sys.stderr) -> List[str
     for rank, path in metrics_files(run_dir):
         records = read_records(path)
         batch, micro = run_shape(records)
-        sink = TensorBoardSink(tensorboard_dir, rank, global_batch_size=batch or None, micro_steps_per_step=micro)
+        sink = TensorBoardSink(tensorboard_dir)
+        sink.open(RunInfo(rank, global_batch_size=batch or None, micro_steps_per_step=micro))
         steps = 0
         for _, step_records in groupby(records, key=lambda r: r.step):   # the JSONL is written step by step
             sink.write(list(step_records))
+            sink.flush()
             steps += 1
             if progress is not None and steps % 100 == 0:
                 print(f"mindmon to-tensorboard: rank {rank}: {steps} steps", file=progress, flush=True)

@@ -1,0 +1,107 @@
+"""Builds the monitors, sinks and trainer callbacks a validated config asks for: the one place that
+knows which class serves which key.
+
+Example (a plain loop; docs/plain-loop.md):
+    config = parse_sections({"monitor": {"train_state": {"local_loss": True}},
+                             "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}]})
+    group = build_group(config, model=net, parameter_names=[p.name for p in optimizer.parameters])
+"""
+import logging
+from typing import List, Optional, Sequence, Union
+
+from .config import ConfigError, MindmonConfig, MonitorConfig
+from .distributed import DataParallel
+from .engine import Monitor, Sink
+from .group import MonitorGroup
+
+MAX_LOGITS_CALLBACK = "MaxLogitsMonitor"
+
+
+class _RankTagged(logging.LoggerAdapter):
+    """Python's logger does not say which process wrote a line; MindFormers' does (rank_<r>/ files)."""
+
+    def process(self, msg, kwargs):
+        return f"[rank {self.extra['rank']}] {msg}", kwargs
+
+
+def default_logger(rank: int, several_ranks: bool):
+    logger = logging.getLogger("mindmon")
+    return _RankTagged(logger, {"rank": rank}) if several_ranks else logger
+
+
+def max_logits_interval(config: MindmonConfig) -> Optional[int]:
+    """The `step_interval` of the `MaxLogitsMonitor` entry of `callbacks:`, None when there is none."""
+    entries = [c for c in config.callbacks if c.get("type") == MAX_LOGITS_CALLBACK]
+    if len(entries) > 1:
+        raise ConfigError(f"callbacks: {len(entries)} MaxLogitsMonitor entries; allowed: one (a second would "
+                          f"read a running max the first has already reset)")
+    return entries[0].get("step_interval", 1) if entries else None
+
+
+def build_monitors(config: MonitorConfig, model, parameter_names: Sequence[str], rank: int, on_host: bool,
+                   data_parallel: DataParallel, logger, max_logits_every: Optional[int]) -> List[Monitor]:
+    from .monitors import MaxAttentionLogitMonitor, MoETokensMonitor, TrainStateMonitor
+
+    monitors: List[Monitor] = []
+    # Cross-rank values need every rank in the collective: only when all ranks collect.
+    cross_rank = data_parallel.active and config.ranks is None
+    if config.train_state.active:
+        monitors.append(TrainStateMonitor(config.train_state, parameter_names, rank, on_host))
+    if config.moe_monitor.active:
+        if model is None:
+            raise ConfigError("monitor.moe_monitor: save_tokens_per_expert_interval is set but no model was "
+                              "given; pass model= so its MoE layers can be found")
+        monitors.append(MoETokensMonitor(config.moe_monitor, model, rank, on_host, logger, cross_rank))
+    if max_logits_every is not None and model is not None:
+        monitors.append(MaxAttentionLogitMonitor(model, max_logits_every, rank,
+                                                 data_parallel if cross_rank else None, logger))
+    return monitors
+
+
+def build_sinks(config: MonitorConfig, logger) -> List[Sink]:
+    from .sinks import JsonlSink, LogSink, MegatronTokensPerExpertSink
+
+    sinks: List[Sink] = [LogSink(logger), JsonlSink(config.output_dir)]
+    if config.tensorboard.enabled:
+        from .sinks.tensorboard import TensorBoardSink
+
+        tensorboard = config.tensorboard
+        sinks.append(TensorBoardSink(tensorboard.tensorboard_dir, tensorboard.tensorboard_log_interval,
+                                     tensorboard.tensorboard_queue_size))
+    if config.moe_monitor.active:
+        sinks.append(MegatronTokensPerExpertSink(config.output_dir))
+    return sinks
+
+
+def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, parameter_names: Sequence[str] = (),
+                rank: Optional[int] = None, logger=None, on_host: Optional[bool] = None,
+                data_parallel: Optional[DataParallel] = None) -> MonitorGroup:
+    """The MonitorGroup of one rank: the monitors the config switches on (none on a rank that
+    `monitor.ranks` leaves out) and the sinks they write to."""
+    from .stats import host_is_device
+
+    full = config if isinstance(config, MindmonConfig) else MindmonConfig(monitor=config)
+    monitor = full.monitor
+    data_parallel = data_parallel or DataParallel(monitor.data_parallel_group)
+    rank = data_parallel.rank if rank is None else rank
+    logger = logger or default_logger(rank, data_parallel.active)
+    every = max_logits_interval(full)
+    monitors = []
+    if monitor.selects_rank(rank):
+        on_host = host_is_device() if on_host is None and (monitor.active or every) else on_host
+        monitors = build_monitors(monitor, model, parameter_names, rank, on_host, data_parallel, logger, every)
+    return MonitorGroup(monitors, build_sinks(monitor, logger), rank, logger)
+
+
+def build_callbacks(group: MonitorGroup, config: Union[MindmonConfig, MonitorConfig]) -> list:
+    """The trainer callbacks: one that flushes the group at every step end (when it has monitors,
+    or TensorBoard alone, which still gets the trainer's loss / lr / grad norm), and the profiler's
+    when `enable_profiling` is on and this rank is in `profiler_rank`."""
+    from .callbacks import MonitorCallback, ProfilerCallback
+
+    full = config if isinstance(config, MindmonConfig) else MindmonConfig(monitor=config)
+    callbacks = [MonitorCallback(group)] if group.active or full.monitor.tensorboard.enabled else []
+    profiler = full.profiler
+    if profiler.enable_profiling and profiler.selects_rank(group.rank):
+        callbacks.append(ProfilerCallback(profiler, group.rank, group.logger))
+    return callbacks

@@ -1,0 +1,100 @@
+"""`<output_dir>/rank_<r>/metrics.jsonl`: every record, one JSON object per line.
+
+    {"step": 3, "micro_step": 1, "rank": 0, "kind": "local_loss", "name": "loss", "value": 2.5}
+    {"step": 3, "micro_step": 1, "rank": 0, "kind": "tokens_per_expert", "name": "decoder.layers.1",
+     "value": [5, 3, 4, 4], "iter": 9}
+
+Non-finite numbers are not JSON: a NaN or infinite value is written as `null`, and the line says
+what it was in `nonfinite` ("nan", "inf", "-inf"; for a list, a mapping from element index to that
+text). Standard JSON readers accept every line; pandas reads the nulls as NaN; `decode` gives the
+original floats back.
+
+Example:
+    for rank, path in metrics_files("./output"):     # ./output/monitor/rank_0/metrics.jsonl, ...
+        records = read_records(path)
+"""
+import glob
+import json
+import math
+import os
+import sys
+from typing import List, Tuple
+
+from ..records import Record
+from .layout import rank_dir, rank_in_path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_path(output_dir: str, rank: int) -> str:
+    return os.path.join(rank_dir(output_dir, rank), METRICS_FILE)
+
+
+def _nonfinite_text(value: float) -> str:
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _encode_value(value):
+    """(JSON-safe value, the `nonfinite` field or None)."""
+    if isinstance(value, list):
+        marks = {str(i): _nonfinite_text(v) for i, v in enumerate(value)
+                 if isinstance(v, float) and not math.isfinite(v)}
+        return ([None if str(i) in marks else v for i, v in enumerate(value)], marks) if marks else (value, None)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, _nonfinite_text(value)
+    return value, None
+
+
+def encode(record: Record) -> str:
+    value, nonfinite = _encode_value(record.value)
+    out = {"step": record.step, "micro_step": record.micro_step, "rank": record.rank,
+           "kind": record.kind, "name": record.name, "value": value}
+    if nonfinite is not None:
+        out["nonfinite"] = nonfinite
+    if record.iteration is not None:
+        out["iter"] = record.iteration
+    return json.dumps(out, allow_nan=False)
+
+
+def decode(line: str) -> Record:
+    """The record of one line; ValueError/KeyError/TypeError when it is not one."""
+    row = json.loads(line)
+    value, nonfinite = row["value"], row.get("nonfinite")
+    if isinstance(nonfinite, str):
+        value = float(nonfinite)
+    elif isinstance(nonfinite, dict):
+        value = [float(nonfinite[str(i)]) if str(i) in nonfinite else v for i, v in enumerate(value)]
+    extra = {"iteration": row["iter"]} if "iter" in row else {}
+    return Record(row["step"], row["micro_step"], row["rank"], row["kind"], row["name"], value, **extra)
+
+
+def metrics_files(run_dir: str) -> List[Tuple[int, str]]:
+    """(rank, path) of every `rank_<r>/metrics.jsonl` at or below `run_dir` (a metrics file itself
+    is accepted too), sorted by rank. Raises FileNotFoundError naming what was looked for."""
+    if os.path.isfile(run_dir):
+        rank = rank_in_path(os.path.dirname(os.path.abspath(run_dir)))
+        return [(rank or 0, run_dir)]
+    found = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "**", METRICS_FILE), recursive=True)):
+        rank = rank_in_path(os.path.dirname(path))
+        if rank is not None and os.path.basename(os.path.dirname(path)) == f"rank_{rank}":
+            found.setdefault(rank, path)
+    if not found:
+        raise FileNotFoundError(f"no rank_<r>/{METRICS_FILE} at or below {run_dir!r}; pass the run's output "
+                                f"directory (monitor.output_dir, or the demo's --output)")
+    return sorted(found.items())
+
+
+def read_records(path: str) -> List[Record]:
+    """The file's records. A run in progress may have a last line half written: it is left out,
+    as is any line that is not a record (counted once on stderr)."""
+    records, bad = [], 0
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                records.append(decode(line))
+            except (ValueError, KeyError, TypeError):
+                bad += 1
+    if bad:
+        print(f"mindmon: {path}: {bad} line(s) that are not records were skipped", file=sys.stderr)
+    return records

@@ -1,0 +1,111 @@
+"""The training-log lines, to the character, and their readers.
+
+Per micro-step k of step S, in order (train_state and tokens per expert):
+
+    { "step": S, "micro_step": k }                     marker before the norm lines
+    { "local_norm": <parameter name>: 0.000381 }        6 decimals
+    { "micro_step": k, "local_loss": 0.123 }           at most 6 decimals, trailing zeros dropped
+    {"iter": 2, "step": 1, "micro_step": 2, "block": "decoder", "layer": 1, "tpe": [[2, 4, 6, 8]]}
+
+then for the step:
+
+    { "step": S }                                       marker before the device_norm lines
+    { "device_norm": <parameter name>: 1.234567 }
+    { "step": S, "device_loss": 0.123 }
+    step:[    S/  MAX] max_attention_logit/<layer>: [1.5, 12.25]     4 significant digits per head
+    step:[    S/  MAX] max_attention_logit/mean: 4.219                 over every head of every layer
+    step:[    S/  MAX] max_attention_logit/max: 12.25
+
+MAX is the run's step count (`?` when the loop did not say). Non-finite values print as `nan`,
+`inf`, `-inf` and read back as such. MindFormers' own LossCallback line, which mindmon reads and
+never writes: `{ step:[    1/    3], loss:   4.844477, ..., lr: 1.5e-03, grad_norm:   1.19, ... }`.
+"""
+import json
+import re
+from itertools import groupby
+from typing import List, Optional
+
+from ..records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT,
+                       MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, TOKENS_PER_EXPERT, Record)
+from .megatron_tpe import layer_fields
+
+NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|NaN|inf|Infinity)"
+MAX_LOGIT_SUMMARY_NAMES = {MAX_ATTENTION_LOGIT_MEAN: "mean", MAX_ATTENTION_LOGIT_MAX: "max"}
+
+LOSS_CALLBACK_LINE = re.compile(r"\{ step:\[\s*(?P<step>\d+)/\s*\d+\], loss:\s*(?P<loss>" + NUMBER + r")"
+                                r"(?:.*?, lr:\s*(?P<lr>" + NUMBER + r"))?(?:.*?, grad_norm:\s*(?P<grad>" + NUMBER
+                                + r"))?")
+MAX_LOGIT_LINE = re.compile(r"step:\[\s*(?P<step>\d+)/\s*(?:\d+|\?)\] " + MAX_ATTENTION_LOGIT
+                            + r"/(?P<name>\S+): (?P<value>.+?)\s*$")
+NORM_LINE = re.compile(r'\{ "(?P<kind>local_norm|device_norm)": (?P<name>\S+?):\s+(?P<value>' + NUMBER + r') \}')
+MARKER_LINE = re.compile(r'\{ "step": (?P<step>\d+)(?:, "micro_step": (?P<micro_step>\d+))? \}\s*$')
+LOCAL_LOSS_LINE = re.compile(r'\{ ?(?:"step": (?P<step>\d+), )?"micro_step": (?P<micro_step>\d+), '
+                             r'"local_loss": (?P<value>' + NUMBER + r') ?\}')
+DEVICE_LOSS_LINE = re.compile(r'\{ ?"step": (?P<step>\d+), "device_loss": (?P<value>' + NUMBER + r') ?\}')
+TOKENS_PER_EXPERT_LINE = re.compile(r'(\{"iter": .*"tpe": .*\})\s*$')
+
+
+def loss_text(value: float) -> str:
+    """A loss as a short JSON-like number: 6 decimals at most, trailing zeros dropped (0.123, 2.5)."""
+    return repr(round(float(value), 6))
+
+
+def _head_text(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def step_prefix(step: int, max_steps: Optional[int]) -> str:
+    return f"step:[{step:5d}/{max_steps if max_steps is not None else '?':>5}] "
+
+
+def tokens_per_expert_line(record: Record) -> str:
+    return json.dumps({"iter": record.iteration, "step": record.step, "micro_step": record.micro_step,
+                       **layer_fields(record.name), "tpe": [record.value]})
+
+
+def _micro_step_lines(micro_step: int, records: List[Record]) -> List[str]:
+    lines = []
+    norms = [r for r in records if r.kind == LOCAL_NORM]
+    if norms:
+        lines.append(f'{{ "step": {norms[0].step}, "micro_step": {micro_step} }}')
+        lines.extend(f'{{ "local_norm": {r.name}: {r.value:.6f} }}' for r in norms)
+    lines.extend(f'{{ "micro_step": {micro_step}, "local_loss": {loss_text(r.value)} }}'
+                 for r in records if r.kind == LOCAL_LOSS)
+    lines.extend(tokens_per_expert_line(r) for r in records if r.kind == TOKENS_PER_EXPERT)
+    return lines
+
+
+def _max_logit_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
+    lines = []
+    for record in records:
+        prefix = step_prefix(record.step, max_steps) + MAX_ATTENTION_LOGIT + "/"
+        if record.kind == MAX_ATTENTION_LOGIT:
+            lines.append(f"{prefix}{record.name}: [{', '.join(_head_text(v) for v in record.value)}]")
+        elif record.kind in MAX_LOGIT_SUMMARY_NAMES:
+            lines.append(f"{prefix}{MAX_LOGIT_SUMMARY_NAMES[record.kind]}: {_head_text(record.value)}")
+    return lines
+
+
+def format_lines(records: List[Record], max_steps: Optional[int] = None) -> List[str]:
+    """The lines of one step's records, in the documented order. Kinds without a line (micro_norm,
+    the MoE summaries, the trainer's step values) are left to the other sinks."""
+    lines = []
+    micro = sorted((r for r in records if r.micro_step is not None), key=lambda r: r.micro_step)
+    for micro_step, group in groupby(micro, key=lambda r: r.micro_step):
+        lines += _micro_step_lines(micro_step, list(group))
+    device_norms = [r for r in records if r.kind == DEVICE_NORM]
+    if device_norms:
+        lines.append(f'{{ "step": {device_norms[0].step} }}')
+        lines.extend(f'{{ "device_norm": {r.name}: {r.value:.6f} }}' for r in device_norms)
+    lines.extend(f'{{ "step": {r.step}, "device_loss": {loss_text(r.value)} }}'
+                 for r in records if r.kind == DEVICE_LOSS)
+    return lines + _max_logit_lines(records, max_steps)
+
+
+def parse_heads(text: str) -> List[float]:
+    return [float(v) for v in text.strip("[]").split(",")]
+
+
+def summary_kind(name: str) -> Optional[str]:
+    """The record kind of a `max_attention_logit/mean` or `/max` line, None for a layer's line."""
+    return {v: k for k, v in MAX_LOGIT_SUMMARY_NAMES.items()}.get(name)

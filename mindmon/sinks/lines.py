@@ -1,0 +1,60 @@
+"""A sink that appends text lines to one file per rank, flushed at every step end."""
+import abc
+import os
+from typing import List, Optional, Sequence
+
+from ..config import ConfigError
+from ..engine import RunInfo, Sink, SinkClosedError
+from ..records import Record
+
+
+class LinesFileSink(Sink):
+    """Subclasses say where the file is (`path`) and what lines a step's records make (`lines`).
+
+    The file is created when the run opens: a directory that cannot be made or written is a
+    ConfigError naming `config_key`, before step 1. A resumed run (RunInfo.start_step > 0) appends
+    to the file of the run it continues; a new run starts it afresh.
+    """
+
+    def __init__(self, output_dir: str, config_key: str = "monitor.output_dir"):
+        self.output_dir = output_dir
+        self.config_key = config_key
+        self.path: Optional[str] = None
+        self._file = None
+        self._closed = False
+
+    @abc.abstractmethod
+    def file_path(self, rank: int) -> str:
+        pass
+
+    @abc.abstractmethod
+    def lines(self, records: Sequence[Record]) -> List[str]:
+        pass
+
+    def open(self, run: RunInfo) -> None:
+        self.path = self.file_path(run.rank)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._file = open(self.path, "a" if run.resumed else "w", encoding="utf-8")
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{self.config_key}: got {self.output_dir!r}; cannot write {self.path!r} "
+                              f"({getattr(error, 'strerror', None) or error}); allowed: a directory this "
+                              f"process can create and write") from None
+
+    def write(self, records: Sequence[Record]) -> None:
+        if self._closed:
+            raise SinkClosedError(f"mindmon: {type(self).__name__}: write after close(); {self.path} is finished")
+        if self._file is None:
+            raise RuntimeError(f"mindmon: {type(self).__name__}: write before open()")
+        text = "".join(line + "\n" for line in self.lines(records))
+        if text:
+            self._file.write(text)
+
+    def flush(self) -> None:
+        if self._file is not None and not self._closed:
+            self._file.flush()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._file is not None and not self._file.closed:
+            self._file.close()
