@@ -1,5 +1,6 @@
 # `make demo`: create .venv if needed, install mindmon and its pinned dependencies, train the demo.
 # `make test`: the same install plus pytest, then the whole test suite (what .ci/run does).
+# Versions are pinned by constraints.txt; `pip install mindmon` alone never installs or replaces MindSpore.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 install:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=23"
-	$(BIN)/python -m pip install -q ".[test]"
+	$(BIN)/python -m pip install -q -c constraints.txt ".[mindspore,all,test]"
 	@rm -rf build mindmon.egg-info
 
 demo: install

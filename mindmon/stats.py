@@ -16,7 +16,9 @@ import numpy as np
 
 def host_is_device() -> bool:
     """True when tensors live in host memory (MindSpore's CPU target)."""
-    import mindspore as ms
+    from .extras import require_mindspore
+
+    ms = require_mindspore()
 
     return ms.get_context("device_target") == "CPU"
 

@@ -5,8 +5,8 @@ the one the optimizer applies; it is clipped to `max_norm` by its global norm, a
 does, and the update is skipped when that norm is not finite.
 
 Example (a plain MindSpore loop):
-    group = MonitorGroup(MonitorConfig.parse({"train_state": {"local_norm": True, "local_loss": True}}),
-                         parameter_names=[p.name for p in optimizer.parameters])
+    group = build_group(parse_sections({"monitor": {"train_state": {"local_norm": True, "local_loss": True}}}),
+                        parameter_names=[p.name for p in optimizer.parameters])
     train_step = AccumulatingTrainStep(lambda ids, labels: net(ids, labels)[0], optimizer,
                                        num_micro_steps=4, group=group)
     group.setup()
@@ -46,7 +46,8 @@ def split_batch(batch: Batch, num_micro_steps: int) -> List[Batch]:
 
 
 class AccumulatingTrainStep:
-    """`step(micro_batches) -> (mean loss Tensor, global grad norm float or None if not finite)`.
+    """`step(micro_batches) -> (mean loss Tensor, global grad norm float before clipping)`. A norm
+    that is not finite (NaN, inf) is returned as it is and the update is skipped.
 
     `loss_fn` takes one micro-batch (a dict as keyword-free single argument, or a tuple spread
     as positional arguments) and returns the scalar loss. `group` may be None or inactive: then
@@ -95,7 +96,7 @@ class AccumulatingTrainStep:
         if group is not None:
             group.record("device_loss", mean_loss)
             group.record("device_norm", accumulated if self.data_parallel.active else None)
-        return mean_loss, (grad_norm if finite else None)
+        return mean_loss, grad_norm
 
     def _reduce(self, accumulated, loss_sum, group):
         """The data-parallel mean of the gradients and of the micro-batch losses, with what the

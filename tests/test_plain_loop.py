@@ -8,17 +8,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from conftest import read_jsonl
 from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_batch
 from mindmon.stats import SquaredNorms
-
-
-class Regression(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.weight = Parameter(Tensor(np.full((3, 1), 0.5, np.float32)), name="layer.weight")
-        self.bias = Parameter(Tensor(np.zeros(1, np.float32)), name="layer.bias")
-
-    def construct(self, x, y):
-        diff = ops.matmul(x, self.weight) + self.bias - y
-        return (diff * diff).mean()
+from scripts.plain_loop_job import Regression
 
 
 def _data(rng, n=8):

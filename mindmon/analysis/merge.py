@@ -6,6 +6,8 @@ per-rank values `local_loss` and `micro_norm` (the norm of one micro-batch's gra
 the other ranks' values; empty otherwise. `local_norm` is not judged: an increment of a norm can
 be near zero or negative, so ratios of it mean nothing.
 List values (per head, per expert) are left out: their rows would not be one number per rank.
+`min`, `max` and `mean` are NaN when any rank's value is NaN (a diverging rank shows in the row,
+whatever the order the ranks were read in); `max_rank` is the rank of the largest finite value.
 
 Example:
     path, flagged = merge("./output")     # ./output/merged.csv
@@ -59,8 +61,10 @@ def _row(key: Key, per_rank: Dict[int, float], factor: float) -> List:
     finite = {r: v for r, v in per_rank.items() if math.isfinite(v)} or per_rank
     max_rank = max(finite, key=finite.get)
     flagged = outlier(kind, per_rank, factor)
+    values = np.array([per_rank[r] for r in sorted(per_rank)], dtype=np.float64)
+    # numpy's min/max/mean are NaN when any rank's value is NaN, whatever the rank order.
     return [kind, name, step, "" if micro_step is None else micro_step, len(per_rank),
-            min(per_rank.values()), max(per_rank.values()), float(np.mean(list(per_rank.values()))),
+            float(values.min()), float(values.max()), float(values.mean()),
             max_rank, "" if flagged is None else flagged]
 
 

@@ -41,7 +41,9 @@ def parameter_group(name: str) -> str:
 
 
 def _figure(rows: int = 1, cols: int = 1, width: float = 10, height: float = 3.6):
-    import matplotlib
+    from ..extras import require
+
+    matplotlib = require("report", "matplotlib")
 
     matplotlib.use("Agg")   # no display: files only
     import matplotlib.pyplot as plt
@@ -68,6 +70,31 @@ def _of(records: List[Record], kind: str) -> List[Record]:
     return [r for r in records if r.kind == kind]
 
 
+def _mark_nonfinite(ax, xs: List[float], ys: List[float], color: str) -> None:
+    """NaN/inf points would be silent gaps in a line: mark each with an x at the top of the axes."""
+    bad = [x for x, y in zip(xs, ys) if not np.isfinite(y)]
+    if bad:
+        from matplotlib.transforms import blended_transform_factory
+
+        ax.plot(bad, [0.97] * len(bad), "x", color=color, markersize=8, label="not finite (NaN/inf)",
+                transform=blended_transform_factory(ax.transData, ax.transAxes), clip_on=False)
+
+
+def _plot(ax, records: List[Record], xs: List[float], style: str, **kwargs) -> None:
+    ys = [r.value for r in records]
+    ax.plot(xs, ys, style, **kwargs)
+    _mark_nonfinite(ax, xs, ys, kwargs.get("color", "tab:red"))
+
+
+def nonfinite_summary(records: List[Record]) -> Dict[str, List[int]]:
+    """{kind: steps} of the scalar records whose value is NaN or infinite."""
+    found: Dict[str, List[int]] = defaultdict(list)
+    for r in records:
+        if not isinstance(r.value, list) and not np.isfinite(r.value) and r.step not in found[r.kind]:
+            found[r.kind].append(r.step)
+    return dict(found)
+
+
 def loss_figure(records: List[Record], micro_steps: int) -> Optional[str]:
     micro, step_loss = _of(records, LOCAL_LOSS), _of(records, DEVICE_LOSS) or _of(records, LOSS)
     norm, lr = _of(records, GRAD_NORM), _of(records, LEARNING_RATE)
@@ -76,17 +103,17 @@ def loss_figure(records: List[Record], micro_steps: int) -> Optional[str]:
     fig, axes = _figure(2 if (norm or lr) else 1)
     ax = axes[0][0]
     if micro:   # micro-batch k of step s sits at s - 1 + (k + 1) / K, so a step's last one lands on s
-        ax.plot([r.step - 1 + (r.micro_step + 1) / micro_steps for r in micro], [r.value for r in micro],
-                ".", color="tab:gray", markersize=4, label="per micro-batch (local_loss)")
+        _plot(ax, micro, [r.step - 1 + (r.micro_step + 1) / micro_steps for r in micro], ".", color="tab:gray",
+              markersize=4, label="per micro-batch (local_loss)")
     if step_loss:
-        ax.plot([r.step for r in step_loss], [r.value for r in step_loss], "-o", color="tab:blue",
-                markersize=3, label=f"per step ({step_loss[0].kind})")
+        _plot(ax, step_loss, [r.step for r in step_loss], "-o", color="tab:blue", markersize=3,
+              label=f"per step ({step_loss[0].kind})")
     ax.set(title="Loss", xlabel="step", ylabel="loss")
     ax.legend(loc="upper right")
     if norm or lr:
         ax = axes[1][0]
         if norm:
-            ax.plot([r.step for r in norm], [r.value for r in norm], "-", color="tab:red", label="grad-norm")
+            _plot(ax, norm, [r.step for r in norm], "-", color="tab:red", label="grad-norm")
             ax.set_ylabel("global grad norm (before clipping)")
         if lr:
             twin = ax.twinx()
@@ -209,6 +236,10 @@ def rank_section(rank: int, path: str, progress=None) -> str:
     layers = tokens_by_layer(records, micro_steps)
     parts = [f"<h2>Rank {rank}</h2><p>{html.escape(path)}: {len(records)} records, "
              f"steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, {micro_steps} micro-step(s) per step</p>"]
+    nonfinite = nonfinite_summary(records)
+    if nonfinite:
+        listed = "; ".join(f"{kind} at step(s) {', '.join(map(str, steps))}" for kind, steps in nonfinite.items())
+        parts.append(f'<p class="nonfinite">Not finite (NaN/inf, marked x in the figures): {html.escape(listed)}</p>')
     figures = (("loss", lambda: loss_figure(records, micro_steps)), ("gradient norms", lambda: grad_norm_figure(records)),
                ("tokens per expert", lambda: tokens_figure(layers, records)),
                ("max attention logit", lambda: max_logit_figure(records)))

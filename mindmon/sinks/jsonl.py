@@ -1,7 +1,11 @@
 """JsonlSink: every record, lossless, in `<output_dir>/rank_<r>/metrics.jsonl` (mindmon.formats.jsonl)."""
+import os
 from typing import List, Sequence
 
+from ..config import ConfigError
+from ..engine import RunInfo
 from ..formats import jsonl
+from ..formats.layout import RunLock
 from ..records import Record
 from .lines import LinesFileSink
 
@@ -14,6 +18,28 @@ class JsonlSink(LinesFileSink):
         sink.open(RunInfo(rank=0))
         sink.write(records)   # {"step": 1, "micro_step": 0, "rank": 0, "kind": "local_loss", ...}
     """
+
+    def __init__(self, output_dir: str, config_key: str = "monitor.output_dir"):
+        super().__init__(output_dir, config_key)
+        self._lock = None
+
+    def open(self, run: RunInfo) -> None:
+        """Refuses a folder another live run is writing (its `run.lock`), before touching its file."""
+        folder = os.path.dirname(self.file_path(run.rank))
+        lock = RunLock(folder)
+        owner = lock.owner()
+        if owner is not None:
+            raise ConfigError(f"{self.config_key}: got {self.output_dir!r}; a running job (pid {owner[0]} on "
+                              f"{owner[1]}) is writing {folder}; allowed: an output directory no live run writes "
+                              f"to (if that job is gone, delete {lock.path})")
+        super().open(run)
+        lock.acquire()
+        self._lock = lock
+
+    def close(self) -> None:
+        super().close()
+        if self._lock is not None:
+            self._lock.release()
 
     def file_path(self, rank: int) -> str:
         return jsonl.metrics_path(self.output_dir, rank)
