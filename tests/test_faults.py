@@ -203,3 +203,24 @@ def test_killed_process_keeps_the_completed_steps(tmp_path):
     for step in steps[:3]:   # each completed step is whole: K local losses, both device norms, the device loss
         kinds = [r.kind for r in records if r.step == step]
         assert kinds.count("local_loss") == 2 and kinds.count("device_norm") == 2 and kinds.count("device_loss") == 1
+
+
+def test_unwritable_tensorboard_dir_is_a_config_error_naming_the_key(tmp_path):
+    from mindmon.sinks.tensorboard import TensorBoardSink
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"^monitor\.tensorboard\.tensorboard_dir: got .*a_file"):
+        TensorBoardSink(str(blocker)).open(RunInfo(0))
+
+
+def test_report_lists_and_marks_nonfinite_steps(tmp_path):
+    from mindmon.analysis.report import write_report
+
+    sink = JsonlSink(str(tmp_path))
+    sink.open(RunInfo(0))
+    sink.write([Record(s, None, 0, "device_loss", "loss", v) for s, v in ((1, 2.0), (2, float("nan")), (3, 1.5))]
+               + [Record(3, None, 0, "grad_norm", "global", float("inf"))])
+    sink.close()
+    page = open(write_report(str(tmp_path), str(tmp_path / "r.html"), progress=None)).read()
+    assert "Not finite (NaN/inf, marked x in the figures): device_loss at step(s) 2; grad_norm at step(s) 3" in page

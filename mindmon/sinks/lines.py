@@ -8,6 +8,13 @@ from ..engine import RunInfo, Sink, SinkClosedError
 from ..records import Record
 
 
+def unwritable(config_key: str, configured: str, path: str, error: Exception) -> ConfigError:
+    """The error for an output folder that cannot be made or written, naming the key that set it."""
+    return ConfigError(f"{config_key}: got {configured!r}; cannot write {path!r} "
+                       f"({getattr(error, 'strerror', None) or error}); allowed: a directory this process can "
+                       f"create and write")
+
+
 class LinesFileSink(Sink):
     """Subclasses say where the file is (`path`) and what lines a step's records make (`lines`).
 
@@ -37,9 +44,7 @@ class LinesFileSink(Sink):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._file = open(self.path, "a" if run.resumed else "w", encoding="utf-8")
         except (OSError, ValueError) as error:
-            raise ConfigError(f"{self.config_key}: got {self.output_dir!r}; cannot write {self.path!r} "
-                              f"({getattr(error, 'strerror', None) or error}); allowed: a directory this "
-                              f"process can create and write") from None
+            raise unwritable(self.config_key, self.output_dir, self.path, error) from None
 
     def write(self, records: Sequence[Record]) -> None:
         if self._closed:

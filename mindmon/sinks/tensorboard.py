@@ -8,10 +8,12 @@ plotted against the training step; micro-step values against the global micro-st
 When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
 (Megatron's `<tag> vs samples`), against the samples consumed so far.
 """
+import os
 from collections import defaultdict
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..engine import RunInfo, Sink, SinkClosedError
+from .lines import unwritable
 from ..formats.layout import global_micro_step, rank_dir
 from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
                        MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, SAMPLES, TOKENS_PER_EXPERT,
@@ -118,7 +120,11 @@ class TensorBoardSink(Sink):
         SummaryWriter = require("tensorboard", "tensorboardX").SummaryWriter
         self.log_dir = rank_dir(self.tensorboard_dir, run.rank)
         self.axes = Axes(run.global_batch_size, run.micro_steps_per_step)
-        self._writer = SummaryWriter(self.log_dir, max_queue=self.queue_size)
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = SummaryWriter(self.log_dir, max_queue=self.queue_size)
+        except (OSError, ValueError) as error:
+            raise unwritable("monitor.tensorboard.tensorboard_dir", self.tensorboard_dir, self.log_dir, error) from None
 
     def write(self, records: Sequence[Record]) -> None:
         if self._closed:
