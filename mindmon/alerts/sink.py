@@ -1,0 +1,104 @@
+"""AlertSink: judges every record it is given with the configured rules, logs each anomaly,
+dumps it (`dump: true`) and hands it to the delivery threads (`inform`). Its cost in the step is
+a few dict look-ups per record; nothing in it waits for a network.
+
+Example:
+    sink = AlertSink(AlertConfig.parse("monitor.alert", section), "./output/monitor", rank=0)
+    sink.open(RunInfo(rank=0))
+    sink.write(records)    # records of one step, any kind
+    sink.flush()           # the dump, atomically
+    sink.close()           # waits for delivery (at most close_timeout) and logs what was delivered
+"""
+import logging
+from collections import deque
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..engine import RunInfo, Sink
+from ..records import Record
+from .actions import AlertActions
+from .anomaly import Anomaly
+from .config import AlertConfig
+from .delivery import Deliverer, DeliveryReport, build_recipient
+from .dump import AnomalyDump
+from .rules import Verdict, first_verdict, scalar_value, tag_and_statistic
+
+LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
+
+
+class AlertSink(Sink):
+    def __init__(self, config: AlertConfig, output_dir: str, rank: int = 0,
+                 logger: Optional[logging.Logger] = None, group_mates: Optional[Sequence[int]] = None,
+                 pp_stage: int = 0, vpp_stage: int = 0, actions: Optional[AlertActions] = None,
+                 statistic_of: Callable[[Record], Tuple[str, str]] = tag_and_statistic,
+                 path: str = "monitor.alert"):
+        self.config = config
+        self.rank = rank
+        self.logger = logger or logging.getLogger("mindmon")
+        self.group_mates = list(group_mates) if group_mates is not None else None
+        self.stages = (pp_stage, vpp_stage)
+        self.actions = actions
+        self.statistic_of = statistic_of
+        self.rules = config.build_rules()
+        self.dump = AnomalyDump(output_dir, rank) if config.dump else None
+        recipients = [build_recipient(inform, f"{path}.inform") for inform in config.inform]  # ConfigError now
+        self.deliverers = [Deliverer(recipient, self.logger) for recipient in recipients]
+        self.count = 0                       # anomalies found so far
+        self.recent: deque = deque(maxlen=100)
+        self.reports: List[DeliveryReport] = []
+        self._calls = 0
+
+    def open(self, run: RunInfo) -> None:
+        self.rank = run.rank
+        if self.dump is not None:
+            self.dump.set_rank(run.rank)
+            if run.resumed:
+                self.dump.load_existing()
+
+    def write(self, records: Sequence[Record]) -> None:
+        found = []
+        for record in records:
+            self._calls += 1
+            x = scalar_value(record.value)
+            if x is None:
+                continue
+            tag, statistic = self.statistic_of(record)
+            verdict = first_verdict(self.rules, record.kind, (record.kind, record.name, statistic), x)
+            if verdict is not None:
+                found.append(self._anomaly(record, tag, statistic, x, verdict))
+        if found:
+            self._handle(found)
+
+    def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
+        where = f"step {record.step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
+        message = (f"Rule {verdict.rule_name} reports anomaly signal in ('{tag}', '{statistic}') at {where} "
+                   f"on rank {record.rank}: {verdict.detail}.")
+        mates = self.group_mates if self.group_mates is not None else [record.rank]
+        return Anomaly(record.rank, record.step, record.micro_step, self._calls, record.kind, record.name, tag,
+                       statistic, x, verdict.rule_name, message, *self.stages, group_mates=mates)
+
+    def _handle(self, found: List[Anomaly]) -> None:
+        self.count += len(found)
+        self.recent.extend(found)
+        for anomaly in found[:LOGGED_PER_WRITE]:
+            self.logger.warning("mindmon alert: %s", anomaly.message)
+        if len(found) > LOGGED_PER_WRITE:
+            self.logger.warning("mindmon alert: %d more anomalies at step %d (see the dump)",
+                                len(found) - LOGGED_PER_WRITE, found[-1].step)
+        if self.dump is not None:
+            self.dump.add(found)
+        for deliverer in self.deliverers:
+            deliverer.submit(found)
+        if self.actions is not None:
+            self.actions.note(found)
+
+    def flush(self) -> None:
+        if self.dump is not None:
+            self.dump.write()
+
+    def close(self) -> None:
+        """Writes the dump, then waits (at most `close_timeout` each) for delivery and logs the counts."""
+        try:
+            self.flush()
+        finally:
+            self.reports = [deliverer.close() for deliverer in self.deliverers]
+            self.deliverers = []
