@@ -368,7 +368,7 @@ class Deliverer:
             self.recipient.deliver(batch)
             outcome = None
         except Exception as error:  # a dead recipient must not end the thread
-            outcome = self._masked(f"{type(error).__name__}: {error}")
+            outcome = " ".join(self._masked(f"{type(error).__name__}: {error}").split())  # one log line
         with self._lock:
             self._in_flight = 0
             if outcome is None:
