@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from mindmon.alerts import AlertActions, AlertConfig, AlertSink
+from mindmon.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink
 from mindmon.alerts.anomaly import DUMP_FIELDS
 from mindmon.config import ConfigError
 from mindmon.engine import RunInfo
@@ -324,6 +324,9 @@ def test_mysql_urls_are_accepted_and_a_dead_server_is_reported(tmp_path, caplog)
     assert sink.reports[0].failed == 1 and sink.reports[0].delivered == 0
     assert "mysql+pymysql://alice:***@127.0.0.1" in caplog.text and "my-pw-123" not in caplog.text
     assert "Can't connect to MySQL server" in sink.reports[0].errors[0]
+    with pytest.raises(ConfigError, match=r"^alert.inform.connection_str: mssql\+pyodbc://u:\*\*\*@h/db: No module"):
+        build_alert_sink(AlertConfig.parse("alert", {"rules": [NAN], "inform": {
+            "connection_str": "mssql+pyodbc://u:pw9@h/db"}}), str(tmp_path), path="alert")
 
 
 def email_inform(host, port, **extra):
@@ -374,3 +377,111 @@ def test_actions_decide_after_the_step():
     assert actions.should_stop() and "at step 2" in actions.reason
     assert [actions.should_skip_update(g) for g in (1.5, float("nan"), None, float("inf"))] == [False, True, True, True]
     assert not AlertActions().should_skip_update(float("nan")) and not AlertActions().should_stop()
+
+
+class Regression:
+    """A tiny real MindSpore model: y = x w + b, squared error."""
+
+    @staticmethod
+    def build():
+        from mindspore import Parameter, Tensor, nn, ops
+
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.weight = Parameter(Tensor(np.full((3, 1), 0.5, np.float32)), name="layer.weight")
+                self.bias = Parameter(Tensor(np.zeros(1, np.float32)), name="layer.bias")
+
+            def construct(self, x, y):
+                diff = ops.matmul(x, self.weight) + self.bias - y
+                return (diff * diff).mean()
+
+        return Net()
+
+
+def numpy_training(batches, lr=0.1, k=2):
+    """float64 reference of K-micro-step SGD: per step (device_loss, |grad w|, |grad b|)."""
+    w, b, out = np.full((3, 1), 0.5), np.zeros(1), []
+    for x, y in batches:
+        acc_w, acc_b, losses = np.zeros_like(w), np.zeros_like(b), []
+        for xs, ys in zip(np.split(x.astype(np.float64), k), np.split(y.astype(np.float64), k)):
+            diff = xs @ w + b - ys
+            losses.append(np.mean(diff ** 2))
+            acc_w += xs.T @ diff * 2 / diff.size / k
+            acc_b += diff.sum(axis=0) * 2 / diff.size / k
+        out.append((np.mean(losses), np.linalg.norm(acc_w), np.linalg.norm(acc_b)))
+        w, b = w - lr * acc_w, b - lr * acc_b
+    return out
+
+
+def expected_anomalies(reference):
+    """LossSpike (threshold 3, window 3, min_history 2) on device_loss and AnomalyTurbulence
+    (threshold 2) on each device_norm, from their definitions; training stops after the first."""
+    found = []
+    for step in range(1, len(reference) + 1):
+        earlier = np.array(reference[:step - 1])
+        loss, norm_w, norm_b = reference[step - 1]
+        for name, column, value in (("layer.weight", 1, norm_w), ("layer.bias", 2, norm_b)):
+            if step > 1 and abs(value - earlier[:, column].mean()) > 2 * earlier[:, column].mean():
+                found.append((step, f"device_norm/{name}", value))
+        if step > 2 and loss > 3 * np.median(earlier[-3:, 0]):
+            found.append((step, "device_loss/loss", loss))
+        if found:
+            return found
+    return found
+
+
+def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, smtp_inbox, rng):
+    from mindspore import Tensor, nn
+
+    from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup, split_batch
+    from mindmon.alerts import analyse
+    from mindmon.alerts.delivery import read_back_rows
+
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3).astype(np.float32)
+    batches = [(x, y)] * 3 + [(x * 10, y * 10)] + [(x, y)] * 2     # step 4 blows up
+    expected = expected_anomalies(numpy_training(batches[:4]))
+    assert [(s, tag) for s, tag, _ in expected] == [(4, "device_norm/layer.weight"), (4, "device_norm/layer.bias"),
+                                                    (4, "device_loss/loss")]
+    connection_str = postgres_url.render_as_string(hide_password=False)
+    config = AlertConfig.parse("monitor.alert", {
+        "rules": [NAN, {"rule_name": "LossSpike", "args": {"threshold": 3, "window": 3, "min_history": 2}},
+                  {"rule_name": "AnomalyTurbulence", "args": {"threshold": 2}}],
+        "dump": True, "stop_on_anomaly": True,
+        "inform": [{"recipient": "database", "connection_str": connection_str, "table": "e2e_alerts"},
+                   email_inform(smtp_inbox.host, smtp_inbox.port)]})
+    net = Regression.build()
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
+    group = MonitorGroup(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
+        "local_loss": True, "device_norm": True, "device_loss": True}}),
+        parameter_names=[p.name for p in optimizer.parameters])
+    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=0.0)
+    actions = AlertActions.from_config(config)
+    alerts = AlertSink(config, str(tmp_path), actions=actions)
+    group.setup()
+    group.sinks.append(alerts)   # every record the step writes reaches the alert sink
+    steps_run = 0
+    for step, (bx, by) in enumerate(batches, start=1):
+        train_step(split_batch((Tensor(bx), Tensor(by)), 2))
+        group.flush(step)
+        alerts.flush()
+        steps_run = step
+        if actions.should_stop():
+            break
+    group.close()
+    assert steps_run == 4 and [r.delivered for r in alerts.reports] == [3, 3]
+    rows = read_back_rows(connection_str, "e2e_alerts")
+    assert [(r["step"], r["tag_name"]) for r in rows] == [(s, tag) for s, tag, _ in expected]
+    for row, (_, _, value) in zip(rows, expected):
+        assert row["value"] == pytest.approx(value, rel=1e-5)
+    body = smtp_inbox.messages[0].get_payload(decode=True).decode()
+    assert smtp_inbox.messages[0]["Subject"] == "mindmon: 3 anomalies on rank 0, step 4"
+    assert all(row["message"] in body for row in rows)
+    from argparse import ArgumentParser
+
+    parser = ArgumentParser()
+    analyse.add_arguments(parser)
+    assert analyse.run(parser.parse_args(["-d", str(tmp_path)])) == 0
+    ordered = _read(tmp_path / "anomaly_detected" / "anomaly_analyse.json")
+    assert [e["tag_name"] for e in ordered.values()] == [tag for _, tag, _ in expected]

@@ -399,3 +399,19 @@ class Deliverer:
         if report.undelivered:
             text += f" (recipient still busy after {self.close_timeout:g} s)"
         (self.logger.info if report.complete else self.logger.error)(text)
+
+
+def read_back_rows(connection_str: str, table: str = DEFAULT_TABLE, limit: int = 20) -> List[dict]:
+    """The last `limit` anomaly rows of a database recipient's table, oldest first (for a closing
+    note or a check that delivery worked)."""
+    from sqlalchemy import MetaData, Table, create_engine, select
+
+    engine = create_engine(connection_str)
+    try:
+        rows_table = Table(table, MetaData(), autoload_with=engine)
+        query = select(rows_table).order_by(rows_table.c.id.desc()).limit(limit)
+        with engine.connect() as connection:
+            rows = [dict(row._mapping) for row in connection.execute(query)]
+    finally:
+        engine.dispose()
+    return rows[::-1]

@@ -102,3 +102,14 @@ class AlertSink(Sink):
         finally:
             self.reports = [deliverer.close() for deliverer in self.deliverers]
             self.deliverers = []
+
+
+def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger: Optional[logging.Logger] = None,
+                     data_parallel=None, path: str = "monitor.alert") -> Tuple[AlertSink, AlertActions]:
+    """The sink and the actions object for one rank, as a trainer wires them: `group_mates` are the
+    data-parallel ranks, the actions agree over the same group. Raises ConfigError (a missing
+    database driver) before training starts."""
+    size = data_parallel.size if data_parallel is not None else 1
+    mates = list(range(size)) if size > 1 else [rank]
+    actions = AlertActions.from_config(config, data_parallel, logger)
+    return AlertSink(config, output_dir, rank, logger, group_mates=mates, actions=actions, path=path), actions
