@@ -18,6 +18,7 @@ from mindmon.engine import RunInfo
 from mindmon.records import Record
 from servers import (PG_PASSWORD, SMTP_PASSWORD, SMTP_USER, free_port,  # noqa: F401 (fixtures below)
                      hanging_smtp, postgres_url, smtp_inbox)
+from test_plain_loop import Regression, _data as regression_data  # the tiny real MindSpore model
 
 NAN = {"rule_name": "AnomalyNan"}
 
@@ -379,26 +380,6 @@ def test_actions_decide_after_the_step():
     assert not AlertActions().should_skip_update(float("nan")) and not AlertActions().should_stop()
 
 
-class Regression:
-    """A tiny real MindSpore model: y = x w + b, squared error."""
-
-    @staticmethod
-    def build():
-        from mindspore import Parameter, Tensor, nn, ops
-
-        class Net(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.weight = Parameter(Tensor(np.full((3, 1), 0.5, np.float32)), name="layer.weight")
-                self.bias = Parameter(Tensor(np.zeros(1, np.float32)), name="layer.bias")
-
-            def construct(self, x, y):
-                diff = ops.matmul(x, self.weight) + self.bias - y
-                return (diff * diff).mean()
-
-        return Net()
-
-
 def numpy_training(batches, lr=0.1, k=2):
     """float64 reference of K-micro-step SGD: per step (device_loss, |grad w|, |grad b|)."""
     w, b, out = np.full((3, 1), 0.5), np.zeros(1), []
@@ -438,8 +419,7 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
     from mindmon.alerts import analyse
     from mindmon.alerts.delivery import read_back_rows
 
-    x = rng.normal(size=(8, 3)).astype(np.float32)
-    y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3).astype(np.float32)
+    x, y = regression_data(rng)
     batches = [(x, y)] * 3 + [(x * 10, y * 10)] + [(x, y)] * 2     # step 4 blows up
     expected = expected_anomalies(numpy_training(batches[:4]))
     assert [(s, tag) for s, tag, _ in expected] == [(4, "device_norm/layer.weight"), (4, "device_norm/layer.bias"),
@@ -451,7 +431,7 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
         "dump": True, "stop_on_anomaly": True,
         "inform": [{"recipient": "database", "connection_str": connection_str, "table": "e2e_alerts"},
                    email_inform(smtp_inbox.host, smtp_inbox.port)]})
-    net = Regression.build()
+    net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
     group = MonitorGroup(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
         "local_loss": True, "device_norm": True, "device_loss": True}}),
