@@ -196,11 +196,11 @@ class MoELoadImbalance(Rule):
 RULES = {rule.NAME: rule for rule in (AnomalyTurbulence, AnomalyNan, LossSpike, MoELoadImbalance)}
 
 
-def first_verdict(rules: List[Rule], kind: str, series: SeriesKey, x: float) -> Optional[Verdict]:
-    """Every selecting rule sees the value (so its history stays exact); the first that fires wins."""
+def first_verdict(rules: Sequence[Rule], series: SeriesKey, x: float) -> Optional[Verdict]:
+    """`rules` are those that read the series. Every one sees the value (so its history stays
+    exact); the first that fires wins."""
     winner = None
     for rule in rules:
-        if rule.selects(kind, series[2]):
-            verdict = rule.judge(series, x)
-            winner = winner or verdict
+        verdict = rule.judge(series, x)
+        winner = winner or verdict
     return winner

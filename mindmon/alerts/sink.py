@@ -46,6 +46,7 @@ class AlertSink(Sink):
         self.recent: deque = deque(maxlen=100)
         self.reports: List[DeliveryReport] = []
         self._calls = 0
+        self._series = {}                    # (kind, name) -> (tag, statistic, the rules that read it, series key)
 
     def open(self, run: RunInfo) -> None:
         self.rank = run.rank
@@ -61,12 +62,21 @@ class AlertSink(Sink):
             x = scalar_value(record.value)
             if x is None:
                 continue
-            tag, statistic = self.statistic_of(record)
-            verdict = first_verdict(self.rules, record.kind, (record.kind, record.name, statistic), x)
+            tag, statistic, rules, series = self._series_of(record)
+            verdict = first_verdict(rules, series, x) if rules else None
             if verdict is not None:
                 found.append(self._anomaly(record, tag, statistic, x, verdict))
         if found:
             self._handle(found)
+
+    def _series_of(self, record: Record) -> tuple:
+        """Worked out once per (kind, name): `statistic_of` depends on nothing else."""
+        key = (record.kind, record.name)
+        if key not in self._series:
+            tag, statistic = self.statistic_of(record)
+            rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)]
+            self._series[key] = (tag, statistic, rules, (record.kind, record.name, statistic))
+        return self._series[key]
 
     def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
         where = f"step {record.step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
