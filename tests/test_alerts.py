@@ -465,3 +465,51 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
     assert analyse.run(parser.parse_args(["-d", str(tmp_path)])) == 0
     ordered = _read(tmp_path / "anomaly_detected" / "anomaly_analyse.json")
     assert [e["tag_name"] for e in ordered.values()] == [tag for _, tag, _ in expected]
+
+
+AGREEMENT_WORKER = '''
+import json, os, sys
+import mindspore as ms
+from mindspore.communication import init
+ms.set_context(device_target="CPU")
+init("mccl")
+from mindmon.alerts import AlertActions, AlertConfig, AlertSink
+from mindmon.distributed import DataParallel
+from mindmon.records import Record
+
+data_parallel = DataParallel()
+rank = data_parallel.rank
+config = AlertConfig.parse("alert", {"rules": [{"rule_name": "AnomalyNan"}], "stop_on_anomaly": True,
+                                     "skip_nonfinite_update": True})
+actions = AlertActions.from_config(config, data_parallel)
+sink = AlertSink(config, sys.argv[1], rank=rank, actions=actions)
+skipped, stopped_at = [], None
+for step in range(1, 6):
+    if actions.should_skip_update(float("nan") if (rank, step) == (0, 2) else 1.0):
+        skipped.append(step)
+    sink.write([Record(step, None, rank, "loss", "loss", float("nan") if (rank, step) == (1, 3) else 1.0)])
+    if actions.should_stop():
+        stopped_at = step
+        break
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump({"skipped": skipped, "stopped_at": stopped_at}, f)
+'''
+
+
+def test_every_rank_decides_the_same_way(tmp_path):
+    """Two msrun processes: only rank 0 sees a NaN gradient norm (step 2) and only rank 1 an
+    anomaly (step 3); both skip step 2's update and both stop after step 3."""
+    import shutil
+
+    from mindmon.demo.launch import _free_port
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(AGREEMENT_WORKER)
+    msrun = shutil.which("msrun", path=os.path.dirname(sys.executable)) or shutil.which("msrun")
+    env = dict(os.environ, PYTHONPATH=os.getcwd(),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    result = subprocess.run([msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}",
+                             f"--log_dir={tmp_path / 'msrun'}", "--join=True", str(worker), str(tmp_path)],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert [_read(tmp_path / f"rank{r}.json") for r in (0, 1)] == [{"skipped": [2], "stopped_at": 3}] * 2
