@@ -40,12 +40,15 @@ class AlertSink(Sink):
         self.statistic_of = statistic_of
         self.rules = config.build_rules()
         self.dump = AnomalyDump(output_dir, rank) if config.dump else None
-        recipients = [build_recipient(inform, f"{path}.inform") for inform in config.inform]  # ConfigError now
+        paths = [f"{path}.inform"] if len(config.inform) == 1 else \
+            [f"{path}.inform[{i}]" for i in range(len(config.inform))]
+        recipients = [build_recipient(inform, p) for inform, p in zip(config.inform, paths)]  # ConfigError now
         self.deliverers = [Deliverer(recipient, self.logger) for recipient in recipients]
         self.count = 0                       # anomalies found so far
         self.recent: deque = deque(maxlen=100)
         self.reports: List[DeliveryReport] = []
         self._calls = 0
+        self._dump_failed = False
         self._series = {}                    # (kind, name) -> (tag, statistic, the rules that read it, series key)
 
     def open(self, run: RunInfo) -> None:
@@ -102,8 +105,17 @@ class AlertSink(Sink):
             self.actions.note(found)
 
     def flush(self) -> None:
-        if self.dump is not None:
+        """Writes the dump; a failure (disk full) is logged once and retried at the next flush,
+        the file on disk stays the last complete one."""
+        if self.dump is None:
+            return
+        try:
             self.dump.write()
+        except OSError as error:
+            if not self._dump_failed:
+                self.logger.error("mindmon alerts: writing %s failed (%s); retrying at every step end, "
+                                  "training goes on", self.dump.path, error)
+            self._dump_failed = True
 
     def close(self) -> None:
         """Writes the dump, then waits (at most `close_timeout` each) for delivery and logs the counts."""
