@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from mindmon.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink
+from mindmon.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink, delivery_note
 from mindmon.alerts.anomaly import DUMP_FIELDS
 from mindmon.config import ConfigError
 from mindmon.engine import RunInfo
@@ -459,7 +459,11 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
     assert [(r["step"], r["tag_name"]) for r in rows] == [(s, tag) for s, tag, _ in expected]
     for row, (_, _, value) in zip(rows, expected):
         assert row["value"] == pytest.approx(value, rel=1e-5)
+    note = delivery_note(alerts)
+    print("\n".join(note))
+    assert note[0] == "alerts: 3 anomalies" and note[2].startswith("    id 1: step 4 device_norm/layer.weight norm=")
     body = smtp_inbox.messages[0].get_payload(decode=True).decode()
+    print(f"e-mail received: {smtp_inbox.messages[0]['Subject']}\n{body}")
     assert smtp_inbox.messages[0]["Subject"] == "mindmon: 3 anomalies on rank 0, step 4"
     assert all(row["message"] in body for row in rows)
     from argparse import ArgumentParser

@@ -13,8 +13,8 @@ from .config import AlertConfig, RuleConfig
 from .delivery import DeliveryReport
 from .rules import (RULES, AnomalyNan, AnomalyTurbulence, LossSpike, MoELoadImbalance, Rule,
                     scalar_value, tag_and_statistic)
-from .sink import AlertSink, build_alert_sink
+from .sink import AlertSink, build_alert_sink, delivery_note
 
 __all__ = ["AlertActions", "AlertConfig", "AlertSink", "Anomaly", "AnomalyNan", "AnomalyTurbulence",
-           "DeliveryReport", "LossSpike", "build_alert_sink", "MoELoadImbalance", "RULES", "Rule", "RuleConfig",
+           "DeliveryReport", "LossSpike", "build_alert_sink", "delivery_note", "MoELoadImbalance", "RULES", "Rule", "RuleConfig",
            "scalar_value", "tag_and_statistic"]

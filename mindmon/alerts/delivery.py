@@ -401,7 +401,7 @@ class Deliverer:
         (self.logger.info if report.complete else self.logger.error)(text)
 
 
-def read_back_rows(connection_str: str, table: str = DEFAULT_TABLE, limit: int = 20) -> List[dict]:
+def read_back_rows(connection_str, table: str = DEFAULT_TABLE, limit: int = 20) -> List[dict]:
     """The last `limit` anomaly rows of a database recipient's table, oldest first (for a closing
     note or a check that delivery worked)."""
     from sqlalchemy import MetaData, Table, create_engine, select

@@ -135,3 +135,23 @@ def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger
     mates = list(range(size)) if size > 1 else [rank]
     actions = AlertActions.from_config(config, data_parallel, logger)
     return AlertSink(config, output_dir, rank, logger, group_mates=mates, actions=actions, path=path), actions
+
+
+def delivery_note(sink: AlertSink, rows: int = 10) -> List[str]:
+    """Lines for a closing note, after `sink.close()`: each recipient's counts and, for databases,
+    the last rows selected back (so the note shows what really arrived). Passwords masked."""
+    from .delivery import DatabaseInform, read_back_rows
+
+    lines = [f"alerts: {sink.count} anomalies"]
+    for inform, report in zip(sink.config.inform, sink.reports):
+        lines.append(f"  {report.recipient}: {report.delivered} delivered, {report.failed} failed, "
+                     f"{report.dropped} dropped, {report.undelivered} not delivered")
+        if isinstance(inform, DatabaseInform) and report.delivered:
+            try:
+                selected = read_back_rows(inform.url, inform.table, rows)
+            except Exception as error:  # the note must not fail the run's end
+                lines.append(f"    (reading back failed: {type(error).__name__})")
+                continue
+            lines += [f"    id {r['id']}: step {r['step']} {r['tag_name']} {r['statistic']}={r['value_text']} "
+                      f"({r['rule_name']})" for r in selected]
+    return lines
