@@ -30,6 +30,13 @@ def _as_postgres(command: List[str]) -> List[str]:
     return ["runuser", "-u", "postgres", "--"] + command if os.geteuid() == 0 else command
 
 
+def _run(command: List[str]) -> None:
+    """Runs a server command; on failure the test error shows its output, not just the exit code."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"{' '.join(command)} failed ({result.returncode}): {result.stdout[-1500:]}{result.stderr[-1500:]}")
+
+
 def _announce(request, line: str) -> None:
     capture = request.config.pluginmanager.getplugin("capturemanager")
     if capture is None:
@@ -45,6 +52,8 @@ def postgres_url(request):
     SQLAlchemy URL (psycopg2). Stopped and deleted after the session."""
     from sqlalchemy.engine import URL
 
+    if shutil.which("initdb") is None or shutil.which("pg_ctl") is None:
+        pytest.fail("PostgreSQL 15 (initdb, pg_ctl on PATH) is needed for the database delivery tests")
     base = tempfile.mkdtemp(prefix="mindmon-pg-")
     data, log, pwfile = (os.path.join(base, name) for name in ("data", "server.log", "pw"))
     with open(pwfile, "w") as f:
@@ -54,12 +63,10 @@ def postgres_url(request):
         shutil.chown(pwfile, "postgres", "postgres")
     os.chmod(base, 0o700)
     port = free_port()
-    subprocess.run(_as_postgres(["initdb", "-D", data, "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
-                                 "--auth-host=scram-sha-256", "--auth-local=trust"]),
-                   check=True, capture_output=True)
+    _run(_as_postgres(["initdb", "-D", data, "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
+                       "--auth-host=scram-sha-256", "--auth-local=trust"]))
     options = f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={base} -c fsync=off"
-    subprocess.run(_as_postgres(["pg_ctl", "-D", data, "-l", log, "-w", "-t", "60", "-o", options, "start"]),
-                   check=True, capture_output=True)
+    _run(_as_postgres(["pg_ctl", "-D", data, "-l", log, "-w", "-t", "60", "-o", options, "start"]))
     version = subprocess.run(["postgres", "--version"], capture_output=True, text=True).stdout.strip()
     _announce(request, f"\n[servers] {version} started on 127.0.0.1:{port} (data dir {data})")
     try:

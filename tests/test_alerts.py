@@ -416,10 +416,36 @@ def expected_anomalies(reference):
     return found
 
 
-def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, smtp_inbox, rng):
+def train_until_stop(tmp_path, config, batches):
+    """The README's plain loop (K = 2, SGD, no clipping) with the alert sink among the group's
+    sinks, stopping when the actions say so; returns (sink, steps run)."""
     from mindspore import Tensor, nn
 
     from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup, split_batch
+
+    net = Regression()
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
+    group = MonitorGroup(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
+        "local_loss": True, "device_norm": True, "device_loss": True}}),
+        parameter_names=[p.name for p in optimizer.parameters])
+    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=0.0)
+    actions = AlertActions.from_config(config)
+    alerts = AlertSink(config, str(tmp_path), actions=actions)
+    group.setup()
+    group.sinks.append(alerts)   # every record the step writes reaches the alert sink
+    for step, (x, y) in enumerate(batches, start=1):
+        train_step(split_batch((Tensor(x), Tensor(y)), 2))
+        group.flush(step)
+        alerts.flush()
+        if actions.should_stop():
+            break
+    group.close()
+    return alerts, step
+
+
+def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, smtp_inbox, rng):
+    from argparse import ArgumentParser
+
     from mindmon.alerts import analyse
     from mindmon.alerts.delivery import read_back_rows
 
@@ -435,25 +461,7 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
         "dump": True, "stop_on_anomaly": True,
         "inform": [{"recipient": "database", "connection_str": connection_str, "table": "e2e_alerts"},
                    email_inform(smtp_inbox.host, smtp_inbox.port)]})
-    net = Regression()
-    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
-    group = MonitorGroup(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
-        "local_loss": True, "device_norm": True, "device_loss": True}}),
-        parameter_names=[p.name for p in optimizer.parameters])
-    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=0.0)
-    actions = AlertActions.from_config(config)
-    alerts = AlertSink(config, str(tmp_path), actions=actions)
-    group.setup()
-    group.sinks.append(alerts)   # every record the step writes reaches the alert sink
-    steps_run = 0
-    for step, (bx, by) in enumerate(batches, start=1):
-        train_step(split_batch((Tensor(bx), Tensor(by)), 2))
-        group.flush(step)
-        alerts.flush()
-        steps_run = step
-        if actions.should_stop():
-            break
-    group.close()
+    alerts, steps_run = train_until_stop(tmp_path, config, batches)
     assert steps_run == 4 and [r.delivered for r in alerts.reports] == [3, 3]
     rows = read_back_rows(connection_str, "e2e_alerts")
     assert [(r["step"], r["tag_name"]) for r in rows] == [(s, tag) for s, tag, _ in expected]
@@ -466,8 +474,6 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
     print(f"e-mail received: {smtp_inbox.messages[0]['Subject']}\n{body}")
     assert smtp_inbox.messages[0]["Subject"] == "mindmon: 3 anomalies on rank 0, step 4"
     assert all(row["message"] in body for row in rows)
-    from argparse import ArgumentParser
-
     parser = ArgumentParser()
     analyse.add_arguments(parser)
     assert analyse.run(parser.parse_args(["-d", str(tmp_path)])) == 0

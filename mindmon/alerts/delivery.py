@@ -196,6 +196,17 @@ def parse_inform(path: str, value: Any) -> tuple:
     return (_parse_one(path, value),)
 
 
+def _connect_args(inform: DatabaseInform) -> dict:
+    """The driver's own connect timeout (each names it differently), so a dead server fails the
+    batch after `timeout` seconds instead of holding the delivery thread."""
+    backend, timeout = inform.url.get_backend_name(), inform.options.timeout
+    if backend == "sqlite":
+        return {"timeout": timeout}
+    if backend in ("postgresql", "mysql"):
+        return {"connect_timeout": max(1, int(timeout))}
+    return {}
+
+
 class DatabaseRecipient:
     """Inserts anomalies as rows of one table (created if missing), one transaction per batch."""
 
@@ -203,11 +214,8 @@ class DatabaseRecipient:
         from sqlalchemy import create_engine
 
         self.inform = inform
-        timeout = inform.options.timeout
-        connect_args = {"timeout": timeout} if inform.url.get_backend_name() == "sqlite" else \
-            {"connect_timeout": max(1, int(timeout))} if inform.url.get_backend_name() in ("postgresql", "mysql") else {}
         try:  # imports the driver but does not connect: a missing driver is a configuration error
-            self.engine = create_engine(inform.url, connect_args=connect_args, pool_pre_ping=True)
+            self.engine = create_engine(inform.url, connect_args=_connect_args(inform), pool_pre_ping=True)
         except Exception as error:
             raise ConfigError(f"{path}.connection_str: {masked_url(inform.url)}: "
                               f"{mask_secrets(str(error), inform.secrets())}; install the driver the URL "
