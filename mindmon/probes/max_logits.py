@@ -1,6 +1,10 @@
-"""A running max of the attention logits QK^T * scale per head, from an attention cell's inputs."""
+"""A running max of the attention logits QK^T * scale per query head, from an attention cell's inputs
+or an attention function's arguments. Grouped-query attention (fewer key/value heads than query
+heads, as in Llama 3, Qwen2, DeepSeek) is handled without repeating K: the query heads of a group are
+multiplied with their shared K head by one broadcast matmul."""
+import logging
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -10,7 +14,12 @@ LAYOUTS = ("BNSD", "BSND", "BSH", "TH")
 
 
 def _heads_first(tensor, layout: str, num_heads: int):
-    """(batch, heads, seq, head_dim) from one of LAYOUTS; TH is (tokens, heads * head_dim)."""
+    """(batch, heads, seq, head_dim) from one of LAYOUTS; TH is (tokens, heads * head_dim). A tensor
+    that does not fit is a ValueError naming its shape (the probe then detaches itself)."""
+    expected_rank = {"BNSD": 4, "BSND": 4, "BSH": 3, "TH": 2}[layout]
+    if tensor.ndim != expected_rank or (layout in ("BNSD", "BSND") and
+                                        tensor.shape[1 if layout == "BNSD" else 2] != num_heads):
+        raise ValueError(f"got shape {tuple(tensor.shape)}, expected {layout} with {num_heads} heads")
     if layout == "BNSD":
         return tensor
     if layout == "BSND":
@@ -22,14 +31,32 @@ def _heads_first(tensor, layout: str, num_heads: int):
 
 
 class MaxLogitProbe:
-    """One attention cell: the forward hook and its running max (a Tensor of shape (num_heads,))."""
+    """One attention call site: its running max (a Tensor of shape (num_heads,)), updated from Q and K.
+
+    An input that does not match the configuration is logged once and the probe detaches itself:
+    a probe never raises inside the model's forward.
+    """
 
     def __init__(self, name: str, model, num_heads: int, layout: str, mask_input: Optional[int],
-                 causal: bool, scale: Optional[float]):
+                 causal: bool, scale: Optional[float], num_kv_heads: Optional[int] = None,
+                 logger: Optional[logging.Logger] = None):
+        if num_kv_heads is not None and (num_kv_heads <= 0 or num_heads % num_kv_heads):
+            raise ValueError(f"num_kv_heads: got {num_kv_heads}; allowed: a divisor of num_heads ({num_heads})")
         self.name = f"{name}.max_logits_val"
         self.model, self.num_heads, self.layout = model, num_heads, layout
+        self.num_kv_heads = num_kv_heads or num_heads
         self.mask_input, self.causal, self.scale = mask_input, causal, scale
+        self.logger = logger or logging.getLogger("mindmon")
+        self.handle = None
         self.reset()
+
+    def attach(self, cell) -> None:
+        self.handle = cell.register_forward_hook(self)
+
+    def detach(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
     def reset(self) -> None:
         from mindspore import Tensor
@@ -37,13 +64,30 @@ class MaxLogitProbe:
         self.value = Tensor(np.full(self.num_heads, -np.inf, np.float32))
 
     def __call__(self, cell, inputs, output) -> None:
+        self.observe(inputs[0], inputs[1], inputs)
+
+    def observe(self, query, key, inputs=()) -> None:
         if not getattr(self.model, "track_max_attention_logit", True):
             return
+        try:
+            self._update(query, key, inputs)
+        except Exception as error:
+            self.logger.warning(f"mindmon: max-logit probe {self.name}: {error}; the probe is detached and "
+                                f"this layer is no longer tracked (check num_heads, num_kv_heads, layout)")
+            self.detach()
+            self.model = None   # tracked nothing more, even when called through a wrapped function
+
+    def _update(self, query, key, inputs) -> None:
         from mindspore import mint, ops
 
-        q, k = (_heads_first(ops.stop_gradient(t), self.layout, self.num_heads).float() for t in inputs[:2])
+        q = _heads_first(ops.stop_gradient(query), self.layout, self.num_heads).float()
+        k = _heads_first(ops.stop_gradient(key), self.layout, self.num_kv_heads).float()
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        scores = ops.matmul(q, k.swapaxes(-1, -2)) * scale             # (batch, heads, q_len, k_len)
+        batch, _, q_len, head_dim = q.shape
+        group = self.num_heads // self.num_kv_heads
+        grouped_q = q.reshape(batch, self.num_kv_heads, group, q_len, head_dim)
+        scores = ops.matmul(grouped_q, k.swapaxes(-1, -2).expand_dims(2)) * scale   # (b, kv, group, q, k)
+        scores = scores.reshape(batch, self.num_heads, q_len, -1)
         masked = self._masked(inputs, scores)
         if masked is not None:
             scores = mint.where(masked, float("-inf"), scores)
@@ -51,7 +95,7 @@ class MaxLogitProbe:
         self.value = mint.maximum(self.value, head_max)
 
     def _masked(self, inputs, scores):
-        """Where the attention does not look: the cell's own mask input (bool or 0/1: True = masked,
+        """Where the attention does not look: the call's own mask input (bool or 0/1: True = masked,
         MindFormers' convention; float: additive, masked where negative), or a causal triangle."""
         import mindspore as ms
         from mindspore import Tensor, ops
@@ -76,8 +120,8 @@ class MaxLogitProbes:
         probes.detach()
     """
 
-    def __init__(self, model, probes: List[MaxLogitProbe], handles: list):
-        self.model, self.probes, self.handles = model, probes, handles
+    def __init__(self, model, probes: List[MaxLogitProbe]):
+        self.model, self.probes = model, probes
 
     def get_max_attention_logit(self) -> Dict[str, object]:
         return {probe.name: probe.value for probe in self.probes}
@@ -87,31 +131,74 @@ class MaxLogitProbes:
             probe.reset()
 
     def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        for probe in self.probes:
+            probe.detach()
         for name in ("get_max_attention_logit", "reset_max_attention_logit", "track_max_attention_logit"):
             self.model.__dict__.pop(name, None)
 
 
-def attach_max_logit_probes(model, cells: str, num_heads: int, layout: str = "BNSD",
-                            mask_input: Optional[int] = None, causal: bool = False,
-                            scale: Optional[float] = None) -> MaxLogitProbes:
-    """Hook every cell whose name matches the regex `cells`; each takes the query and key as its first
-    two inputs, in `layout` (BNSD, BSND, BSH or TH = flattened tokens x hidden). `mask_input` is the
-    index of the cell's mask input, if it has one; else `causal` masks future keys. `scale` defaults
-    to 1/sqrt(head_dim). The probe recomputes QK^T (one extra matmul per attention call)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: got {layout!r}; allowed: {list(LAYOUTS)}")
+def _install(model, probes: List[MaxLogitProbe]) -> MaxLogitProbes:
     if callable(getattr(model, "get_max_attention_logit", None)):
         raise ValueError(f"{type(model).__name__} already has get_max_attention_logit(); it tracks its "
                          f"own max attention logits, attach no probe")
-    probes, handles = [], []
-    for name, cell in named_cells(model, cells, "attach_max_logit_probes"):
-        probe = MaxLogitProbe(name, model, num_heads, layout, mask_input, causal, scale)
-        handles.append(cell.register_forward_hook(probe))
-        probes.append(probe)
-    attached = MaxLogitProbes(model, probes, handles)
+    attached = MaxLogitProbes(model, probes)
     model.get_max_attention_logit = attached.get_max_attention_logit
     model.reset_max_attention_logit = attached.reset_max_attention_logit
     model.track_max_attention_logit = True
     return attached
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: got {layout!r}; allowed: {list(LAYOUTS)}")
+
+
+def attach_max_logit_probes(model, cells: str, num_heads: int, layout: str = "BNSD",
+                            mask_input: Optional[int] = None, causal: bool = False,
+                            scale: Optional[float] = None, num_kv_heads: Optional[int] = None) -> MaxLogitProbes:
+    """Hook every cell whose name matches the regex `cells`; each takes the query and key as its first
+    two inputs, in `layout` (BNSD, BSND, BSH or TH = flattened tokens x hidden). `num_kv_heads` is the
+    number of key/value heads under grouped-query attention (default: num_heads). `mask_input` is the
+    index of the cell's mask input, if it has one; else `causal` masks future keys. `scale` defaults
+    to 1/sqrt(head_dim). The probe recomputes QK^T (one extra matmul per attention call)."""
+    _check_layout(layout)
+    probes = [MaxLogitProbe(name, model, num_heads, layout, mask_input, causal, scale, num_kv_heads)
+              for name, _ in named_cells(model, cells, "attach_max_logit_probes")]
+    attached = _install(model, probes)
+    for probe, (_, cell) in zip(probes, named_cells(model, cells, "attach_max_logit_probes")):
+        probe.attach(cell)
+    return attached
+
+
+def track_attention_function(model, attention: Callable, names: List[str], num_heads: int,
+                             layout: str = "BNSD", query_arg: int = 0, key_arg: int = 1,
+                             mask_arg: Optional[int] = None, causal: bool = False, scale: Optional[float] = None,
+                             num_kv_heads: Optional[int] = None, layer_of: Optional[Callable] = None):
+    """For attention that is a function, not a cell (HuggingFace-style code): returns (probes, wrapped),
+    where `wrapped` calls `attention` unchanged after passing its query and key (positional arguments
+    `query_arg`, `key_arg`) to the probe of the calling layer. `names` are the layers, in call order
+    within one forward; `layer_of(args, kwargs)` may name the layer instead (e.g. from a module
+    argument). Put `wrapped` where the model looks the function up.
+
+    Example:
+        probes, wrapped = track_attention_function(model, modeling.attention, names=["layers.0", "layers.1"],
+                                                   num_heads=4, num_kv_heads=2, query_arg=1, key_arg=2,
+                                                   causal=True)
+        modeling.attention = wrapped
+    """
+    _check_layout(layout)
+    probes = {name: MaxLogitProbe(name, model, num_heads, layout, mask_arg, causal, scale, num_kv_heads)
+              for name in names}
+    attached = _install(model, list(probes.values()))
+    order = list(names)
+    calls = {"count": 0}
+
+    def wrapped(*args, **kwargs):
+        name = layer_of(args, kwargs) if layer_of is not None else order[calls["count"] % len(order)]
+        calls["count"] += 1
+        probe = probes.get(name)
+        if probe is not None and probe.model is not None:
+            probe.observe(args[query_arg], args[key_arg], args)
+        return attention(*args, **kwargs)
+
+    return attached, wrapped
