@@ -335,7 +335,7 @@ class ProfilerConfig:
                 raise _value_error(f"{path}.{key}", section[key], "a positive int")
         if "start_step" in section and section["start_step"] != 1 and "end_step" not in section:
             raise ConfigError(f"{path}.end_step: missing while {path}.start_step is {section['start_step']}; "
-                              f"set end_step >= start_step, or the window would be empty")
+                              f"allowed: an end_step >= start_step (the default end_step 1 would leave the window empty)")
         start, end = section.get("start_step", 1), section.get("end_step", 1)
         if end < start:
             raise ConfigError(f"{path}.end_step: got {end}, which is before {path}.start_step={start}; "

@@ -62,7 +62,8 @@ def _yaml_error(path: str, text: str, error: yaml.YAMLError) -> ConfigFileError:
         return ConfigFileError(path, f"{what}; allowed: YAML the safe loader reads",
                                mark.line + 1 if mark else None)
     if isinstance(error, yaml.reader.ReaderError):
-        return ConfigFileError(path, f"{error.reason} (character {error.character!r}); allowed: printable text",
+        code = error.character if isinstance(error.character, int) else ord(error.character)
+        return ConfigFileError(path, f"a control character (U+{code:04X}); allowed: printable text",
                                _line_of(text, error.position))
     return ConfigFileError(path, f"{str(error).splitlines()[0]}; allowed: YAML the safe loader reads")
 
