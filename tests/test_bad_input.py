@@ -273,3 +273,30 @@ def _demo(tmp_path, config):
     return subprocess.run([sys.executable, "-m", "mindmon.cli", "demo", "--steps", "1", "--output",
                            str(tmp_path / "out"), "--config", str(config)],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+
+
+# What `mindmon demo` itself reads, refused in this process before MindSpore starts.
+DEMO_SECTION_CASES = [
+    ({"training": None}, "training: got None (NoneType); allowed: a mapping"),
+    ({"model": "tiny"}, "model: got 'tiny' (str); allowed: a mapping"),
+    ({"training": {"steps": "x"}}, "training.steps: got 'x' (str); allowed: an int >= 1"),
+    ({"training": {"global_batch_size": 0}}, "training.global_batch_size: got 0 (int); allowed: an int >= 1"),
+    ({"model": {"num_layers": 2.5}}, "model.num_layers: got 2.5 (float); allowed: an int >= 1"),
+    ({"model": {"mtp_num_layers": -1}}, "model.mtp_num_layers: got -1 (int); allowed: an int >= 0"),
+    ({"monitor": None, "profiler": "on"}, "profiler: got 'on' (str)"),
+    ({"monitor": {"tensorboard": "x"}}, "monitor.tensorboard: got 'x' (str)"),
+    ({"monitor": {"tensorboard": {"tensorboard_dir": 3}}}, "monitor.tensorboard.tensorboard_dir: got 3 (int)"),
+]
+
+
+@pytest.mark.parametrize("raw, expected", DEMO_SECTION_CASES, ids=[f"demo_section{i}" for i in range(len(DEMO_SECTION_CASES))])
+def test_demo_sections_refused_in_process(tmp_path, capsys, raw, expected):
+    path = _write(tmp_path, raw)
+    code = main(["demo", "--steps", "1", "--output", str(tmp_path / "out"), "--config", str(path)])
+    _assert_one_clean_line(code, capsys.readouterr().err, f"mindmon: {path}: {expected}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_steps_must_be_positive(tmp_path, capsys):
+    code = main(["demo", "--steps", "0", "--output", str(tmp_path / "out")])
+    _assert_one_clean_line(code, capsys.readouterr().err, "configs/demo.yaml: --steps: got 0; allowed: a positive int")

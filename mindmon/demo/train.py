@@ -11,7 +11,7 @@ from typing import Optional
 
 import yaml
 
-from ..config import DEFAULT_OUTPUT_DIR, ConfigError, parse_sections, rank_selection_warnings
+from ..config import DEFAULT_OUTPUT_DIR, ConfigError, _describe, _is_int, parse_sections, rank_selection_warnings
 from ..yaml_file import read_yaml
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,10 +64,29 @@ def checked_config(config_path: Optional[str], steps: Optional[int], output: Opt
     if config_path is not None:
         config = overlay(config, read_yaml(config_path))
     parse_sections(config)
+    _check_demo_sections(config, steps)
+    return _apply_overrides(config, steps, output)
+
+
+# The sizes the demo reads (DemoModelConfig's int fields), with the least each may be.
+_DEMO_SIZES = {"training.steps": 1, "training.local_batch_size": 1, "training.global_batch_size": 1,
+               **{f"model.{k}": 1 for k in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                                            "num_attention_heads", "seq_length", "num_experts", "moe_router_topk")},
+               "model.first_moe_layer": 0, "model.mtp_num_layers": 0}
+
+
+def _check_demo_sections(config: dict, steps: Optional[int]) -> None:
+    """What the demo itself reads from `training:` and `model:` (the Trainer checks the rest)."""
+    if steps is not None and steps <= 0:
+        raise ConfigError(f"--steps: got {steps}; allowed: a positive int")
     for section in ("training", "model"):
         if not isinstance(config.get(section), dict):
-            raise ConfigError(f"{section}: got {config.get(section)!r}; allowed: a mapping (the demo needs one)")
-    return _apply_overrides(config, steps, output)
+            raise ConfigError(f"{section}: got {_describe(config.get(section))}; allowed: a mapping (the demo needs one)")
+    for key, least in _DEMO_SIZES.items():
+        section, name = key.split(".")
+        value = config[section].get(name)
+        if value is not None and (not _is_int(value) or value < least):
+            raise ConfigError(f"{key}: got {_describe(value)}; allowed: an int >= {least}")
 
 
 def metrics_file(config: dict, rank: int) -> str:
