@@ -25,18 +25,30 @@ def _check_config(args) -> int:
 
 
 def _demo(args) -> int:
-    """Train the demo; a bad configuration is one line `mindmon: <file>: <message>` and exit 1."""
-    from .config import ConfigError, describe_error
-    from .demo.train import checked_config, default_config
+    """Train the demo; a bad configuration is one line `mindmon: <file>: <message>` and exit 1.
+    An OSError counts as the configuration's only while the files are read: later ones (a full
+    disk) are not the config file's fault."""
+    from .config import ConfigError
+    from .demo.train import checked_config
 
     output = os.path.abspath(args.output)
     config_file = args.config and os.path.abspath(args.config)
     try:
         checked_config(config_file, args.steps, output)   # before msrun or MindSpore start
-        return _demo_multi(args, output, config_file) if args.workers > 1 else _demo_single(args, output, config_file)
     except (ConfigError, OSError) as error:
-        print(f"mindmon: {describe_error(args.config or default_config(), error)}", file=sys.stderr)
-        return 1
+        return _demo_config_error(args, error)
+    try:
+        return _demo_multi(args, output, config_file) if args.workers > 1 else _demo_single(args, output, config_file)
+    except ConfigError as error:  # found when the Trainer is built (a group, a layer id the model lacks)
+        return _demo_config_error(args, error)
+
+
+def _demo_config_error(args, error) -> int:
+    from .config import describe_error
+    from .demo.train import default_config
+
+    print(f"mindmon: {describe_error(args.config or default_config(), error)}", file=sys.stderr)
+    return 1
 
 
 def _demo_multi(args, output: str, config_file) -> int:

@@ -108,10 +108,10 @@ class _TreeCheck:
                 raise self.fail(key, "a list or mapping used as a key; allowed: scalar keys")
             if key.tag == _NULL_TAG:
                 raise self.fail(key, f"a null key ({key.value or 'empty'!s}); allowed: named keys")
-            if key.value in seen:
-                raise self.fail(key, f"key {key.value!r} appears twice (first on line {seen[key.value]}); "
+            if (key.tag, key.value) in seen:  # `1:` and `"1":` are different keys
+                raise self.fail(key, f"key {key.value!r} appears twice (first on line {seen[key.tag, key.value]}); "
                                      f"allowed: each key once per mapping")
-            seen[key.value] = key.start_mark.line + 1
+            seen[key.tag, key.value] = key.start_mark.line + 1
 
 
 def _check_tree(path: str, root) -> None:

@@ -300,3 +300,8 @@ def test_demo_sections_refused_in_process(tmp_path, capsys, raw, expected):
 def test_demo_steps_must_be_positive(tmp_path, capsys):
     code = main(["demo", "--steps", "0", "--output", str(tmp_path / "out")])
     _assert_one_clean_line(code, capsys.readouterr().err, "configs/demo.yaml: --steps: got 0; allowed: a positive int")
+
+
+def test_keys_of_different_types_are_not_duplicates(tmp_path, capsys):
+    code, out, err = _check_config(_write(tmp_path, "model:\n  1: a\n  '1': b\n  true: c\n  'true': d\n"), capsys)
+    assert (code, err) == (0, "")
