@@ -18,34 +18,64 @@ import sys
 
 
 def _check_config(args) -> int:
-    from .config import ConfigError, dump_sections, load_yaml, parse_sections
+    from .config import ConfigError, describe_error, dump_sections, load_yaml, parse_sections
 
     try:
         print(dump_sections(parse_sections(load_yaml(args.file))), end="")
     except (ConfigError, OSError) as error:
-        print(f"mindmon: {args.file}: {error}", file=sys.stderr)
+        print(f"mindmon: {describe_error(args.file, error)}", file=sys.stderr)
         return 1
     return 0
 
 
 def _demo(args) -> int:
-    output = os.path.abspath(args.output)
-    if args.workers > 1:
-        from .demo.launch import launch
+    """Train the demo; a bad configuration is one line `mindmon: <file>: <message>` and exit 1.
+    An OSError counts as the configuration's only while the files are read: later ones (a full
+    disk) are not the config file's fault."""
+    from .config import ConfigError
+    from .demo.train import checked_config
 
-        code = launch(args.workers, output, args.steps, args.config and os.path.abspath(args.config))
-        print(f"mindmon demo: {args.workers} workers exited with {code}; per-rank outputs in "
-              f"{output}/monitor/rank_<r>, logs in {output}/log/rank_<r> and {output}/msrun/worker_<r>.log")
-        return code
+    output = os.path.abspath(args.output)
+    config_file = args.config and os.path.abspath(args.config)
+    try:
+        checked_config(config_file, args.steps, output)   # before msrun or MindSpore start
+    except (ConfigError, OSError) as error:
+        return _demo_config_error(args, error)
+    try:
+        return _demo_multi(args, output, config_file) if args.workers > 1 else _demo_single(args, output, config_file)
+    except ConfigError as error:  # found when the Trainer is built (a group, a layer id the model lacks)
+        return _demo_config_error(args, error)
+
+
+def _demo_config_error(args, error) -> int:
+    from .config import describe_error
+    from .demo.train import default_config
+
+    print(f"mindmon: {describe_error(args.config or default_config(), error)}", file=sys.stderr)
+    return 1
+
+
+def _demo_multi(args, output: str, config_file) -> int:
+    from .demo.launch import launch
+
+    code = launch(args.workers, output, args.steps, config_file)
+    where = (f"per-rank outputs in {output}/monitor/rank_<r>, logs in {output}/log/rank_<r>" if code == 0
+             else "see the worker logs")
+    print(f"mindmon demo: {args.workers} workers exited with {code}; {where} and {output}/msrun/worker_<r>.log")
+    return code
+
+
+def _demo_single(args, output: str, config_file) -> int:
     # MindFormers picks its log directory when it is first imported.
     os.environ.setdefault("LOG_MF_PATH", os.path.join(output, "log"))
-    from .demo.train import run
+    from .demo.train import metrics_file, run
 
-    config = run(args.config, steps=args.steps, output=output)
-    monitor_dir = config.get("monitor", {}).get("output_dir", "./output/monitor")
+    config = run(config_file, steps=args.steps, output=output)
     print(f"mindmon demo: trained {config['training']['steps']} steps")
-    rank = os.environ.get("RANK_ID", "0")
-    print(f"  metrics (JSONL): {os.path.join(monitor_dir, f'rank_{rank}', 'metrics.jsonl')}")
+    metrics = metrics_file(config, int(os.environ.get("RANK_ID", "0")))
+    print(f"  metrics (JSONL): {metrics}" if os.path.exists(metrics) else
+          "  metrics (JSONL): none written on this rank (no monitor.train_state/moe_monitor/tensorboard, "
+          "or monitor.ranks leaves it out)")
     print(f"  training log:    {os.environ['LOG_MF_PATH']}")
     return 0
 

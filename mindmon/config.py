@@ -7,7 +7,9 @@ Example:
     cfg = parse_sections({"monitor": {"train_state": {"local_norm": ["attention"], "local_loss": True}}})
     cfg.monitor.train_state.local_norm.matches("decoder.layers.0.self_attention.linear_qkv.weight")  # True
 """
-from dataclasses import dataclass, field
+import math
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
@@ -23,8 +25,20 @@ class ConfigTypeError(ConfigError, TypeError):
     """A configuration value has the wrong type."""
 
 
+MAX_SHOWN_VALUE = 120  # characters of a value an error message quotes: a 1e6-item list stays one short line
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)`, cut to MAX_SHOWN_VALUE characters with the item count when longer."""
+    text = repr(value)
+    if len(text) > MAX_SHOWN_VALUE:
+        size = f"{len(value)} items" if isinstance(value, (list, tuple, dict)) else f"{len(text)} characters"
+        text = f"{text[:MAX_SHOWN_VALUE - 20]}... ({size})"
+    return text
+
+
 def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{short_repr(value)} ({type(value).__name__})"
 
 
 def _type_error(path: str, value: Any, allowed: str) -> ConfigTypeError:
@@ -48,6 +62,15 @@ def _check_keys(path: str, section: Any, allowed: Tuple[str, ...]) -> Dict[str, 
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed keys: {list(allowed)}")
     return section
+
+
+def _directory(path: str, value: Any, allowed: str) -> str:
+    """A directory path: a non-empty string without NUL (the OS would refuse it only at the first write)."""
+    if not isinstance(value, str) or not value:
+        raise _type_error(path, value, allowed)
+    if "\0" in value:
+        raise _value_error(path, value, f"{allowed}, without NUL characters")
+    return value
 
 
 def _bool(path: str, value: Any) -> bool:
@@ -151,6 +174,10 @@ class MoEMonitorConfig:
         if isinstance(layers, (list, tuple)):
             if not all(_is_int(x) and x >= 0 for x in layers) or not layers:
                 raise _value_error(key, layers, "a non-empty list of layer ids >= 0")
+            repeated = sorted(x for x, n in Counter(layers).items() if n > 1)
+            if repeated:
+                raise _value_error(key, layers, f"distinct layer ids (listed more than once: {repeated[:10]}); "
+                                                f"each layer would be counted once per listing")
             layers = tuple(layers)
         elif layers is not None and not _is_int(layers):
             raise _type_error(key, layers, "None (all MoE layers), an int N (layers 0..N-1) or a list of ints")
@@ -161,6 +188,10 @@ class MoEMonitorConfig:
     def to_dict(self) -> dict:
         layers = list(self.target_layers) if isinstance(self.target_layers, tuple) else self.target_layers
         return {"save_tokens_per_expert_interval": self.save_tokens_per_expert_interval, "target_layers": layers}
+
+
+# Events tensorboardX may buffer; its queue is a semaphore that overflows at 2**31 - 1.
+MAX_TENSORBOARD_QUEUE = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -187,18 +218,19 @@ class TensorBoardConfig:
     def parse(cls, path: str, section: Any) -> "TensorBoardConfig":
         section = _check_keys(path, section, cls.KEYS)
         directory = section.get("tensorboard_dir", "")
-        if directory is None:
-            directory = ""
-        if not isinstance(directory, str):
+        if directory:
+            directory = _directory(f"{path}.tensorboard_dir", directory, 'a directory path, or "" (off)')
+        elif directory not in (None, ""):
             raise _type_error(f"{path}.tensorboard_dir", directory, 'a directory path, or "" (off)')
-        out = {"tensorboard_dir": directory}
-        for key in ("tensorboard_log_interval", "tensorboard_queue_size"):
+        out = {"tensorboard_dir": directory or ""}
+        for key, most in (("tensorboard_log_interval", None), ("tensorboard_queue_size", MAX_TENSORBOARD_QUEUE)):
             if key in section:
                 value = section[key]
+                allowed = "a positive int" + (f" up to {most}" if most else "")
                 if not _is_int(value):
-                    raise _type_error(f"{path}.{key}", value, "a positive int")
-                if value <= 0:
-                    raise _value_error(f"{path}.{key}", value, "a positive int")
+                    raise _type_error(f"{path}.{key}", value, allowed)
+                if value <= 0 or (most and value > most):
+                    raise _value_error(f"{path}.{key}", value, allowed)
                 out[key] = value
         return cls(**out)
 
@@ -235,9 +267,8 @@ class MonitorConfig:
     @classmethod
     def parse(cls, section: Any, path: str = "monitor") -> "MonitorConfig":
         section = _check_keys(path, section, cls.KEYS + PASSTHROUGH_MONITOR_KEYS)
-        output_dir = section.get("output_dir", DEFAULT_OUTPUT_DIR)
-        if not isinstance(output_dir, str) or not output_dir:
-            raise _type_error(f"{path}.output_dir", output_dir, "a non-empty directory path")
+        output_dir = _directory(f"{path}.output_dir", section.get("output_dir", DEFAULT_OUTPUT_DIR),
+                                "a non-empty directory path")
         group = section.get("data_parallel_group")
         if group is not None and (not isinstance(group, str) or not group):
             raise _type_error(f"{path}.data_parallel_group", group, "None (the world) or a communication group name")
@@ -304,7 +335,7 @@ class ProfilerConfig:
                 raise _value_error(f"{path}.{key}", section[key], "a positive int")
         if "start_step" in section and section["start_step"] != 1 and "end_step" not in section:
             raise ConfigError(f"{path}.end_step: missing while {path}.start_step is {section['start_step']}; "
-                              f"set end_step >= start_step, or the window would be empty")
+                              f"allowed: an end_step >= start_step (the default end_step 1 would leave the window empty)")
         start, end = section.get("start_step", 1), section.get("end_step", 1)
         if end < start:
             raise ConfigError(f"{path}.end_step: got {end}, which is before {path}.start_step={start}; "
@@ -313,8 +344,8 @@ class ProfilerConfig:
         if "profiler_level" in section:
             out["profiler_level"] = section["profiler_level"]
         output_path = section.get("output_path")
-        if output_path is not None and (not isinstance(output_path, str) or not output_path):
-            raise _type_error(f"{path}.output_path", output_path, "None or a non-empty directory path")
+        if output_path is not None:
+            output_path = _directory(f"{path}.output_path", output_path, "None or a non-empty directory path")
         out["output_path"] = output_path
         out["profiler_rank"] = parse_ranks(f"{path}.profiler_rank", section.get("profiler_rank"))
         return cls(**out)
@@ -330,13 +361,30 @@ def _parse_callbacks(value: Any, path: str = "callbacks") -> Tuple[dict, ...]:
         return ()
     if not isinstance(value, (list, tuple)):
         raise _type_error(path, value, "a list of mappings, each with a 'type' key")
+    first_max_logits = None
     for index, item in enumerate(value):
         if not isinstance(item, dict) or not isinstance(item.get("type"), str):
             raise _type_error(f"{path}[{index}]", item, "a mapping with a 'type' string")
         if item["type"] == "MaxLogitsMonitor":
             _check_keys(f"{path}[{index}]", item, ("type", "step_interval"))
             check_step_interval(item.get("step_interval", 1), f"{path}[{index}].step_interval")
+            if first_max_logits is not None:
+                # Each one resets the model's running max at step end: the second would read a reset max.
+                raise ConfigError(f"{path}[{index}]: a second MaxLogitsMonitor (the first is {path}[{first_max_logits}]);"
+                                  f" allowed: one MaxLogitsMonitor (set its step_interval)")
+            first_max_logits = index
     return tuple(dict(item) for item in value)
+
+
+def check_max_norm(value: Any, path: str = "training.max_norm") -> float:
+    """The gradient-clipping norm: a finite number > 0 clips to it, 0 turns clipping off
+    (MindFormers clips only when max_norm > 0). A negative value is refused rather than read as off."""
+    allowed = "a finite number > 0 (clip the global gradient norm to it) or 0 (no clipping)"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _type_error(path, value, allowed)
+    if not math.isfinite(value) or value < 0:
+        raise _value_error(path, value, allowed)
+    return float(value)
 
 
 def check_step_interval(value: Any, path: str = "step_interval") -> int:
@@ -372,6 +420,9 @@ def parse_sections(raw: Dict[str, Any]) -> MindmonConfig:
     """Validate the mindmon sections of a whole training config (other sections are ignored)."""
     if not isinstance(raw, dict):
         raise _type_error("<config>", raw, "a mapping of sections")
+    training = raw.get("training")
+    if isinstance(training, dict) and "max_norm" in training:
+        check_max_norm(training["max_norm"])
     optimizer = raw.get("optimizer")
     return MindmonConfig(MonitorConfig.parse(raw.get("monitor")),
                          ProfilerConfig.parse(raw.get("profiler")),
@@ -381,14 +432,36 @@ def parse_sections(raw: Dict[str, Any]) -> MindmonConfig:
 
 
 def load_yaml(path: str) -> Dict[str, Any]:
-    """A training YAML as a plain dict, with omegaconf `${...}` interpolations resolved."""
-    from omegaconf import OmegaConf
+    """A training YAML as a plain dict, with omegaconf `${...}` interpolations resolved; a broken
+    file is a `ConfigFileError` naming the file and line (see mindmon/yaml_file.py)."""
+    from .yaml_file import load_yaml as load
 
-    with open(path, "r", encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
-    return OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    return load(path)
+
+
+def describe_error(file: str, error: Exception) -> str:
+    """`<file>: <message>` for a ConfigError or OSError about `file` (the file is named once)."""
+    text = str(error) if not isinstance(error, OSError) else f"{error.strerror or error}"
+    if getattr(error, "file", None) is not None or text.startswith(f"{file}:"):
+        return text
+    return f"{file}: {text}"
+
+
+def rank_selection_warnings(config: MindmonConfig, world_size: int) -> List[str]:
+    """What `monitor.ranks` and `profiler.profiler_rank` select that this run of `world_size` ranks
+    does not have. Not an error: one YAML may serve runs of several sizes."""
+    warnings = []
+    selections = [("monitor.ranks", config.monitor.ranks)]
+    if config.profiler.enable_profiling:
+        selections.append(("profiler.profiler_rank", config.profiler.profiler_rank))
+    for path, ranks in selections:
+        missing = sorted({r for r in ranks or () if r >= world_size})
+        if ranks is not None and len(missing) == len(set(ranks)):
+            warnings.append(f"{path}: {list(ranks)} selects none of this run's ranks 0..{world_size - 1}; "
+                            f"nothing is collected")
+        elif missing:
+            warnings.append(f"{path}: rank(s) {missing} do not exist in this run of {world_size} rank(s)")
+    return warnings
 
 
 def dump_sections(config: MindmonConfig) -> str:

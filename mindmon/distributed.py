@@ -13,17 +13,27 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from .config import ConfigError
+
 
 def _query(group: Optional[str]):
-    """(size, rank) of the group, or (1, 0) when communication was never initialised."""
-    try:
-        from mindspore.communication import get_group_size, get_rank
+    """(size, rank) of the group, or (1, 0) when communication was never initialised (one process).
 
-        if group is None:
-            return int(get_group_size()), int(get_rank())
-        return int(get_group_size(group)), int(get_rank(group))
-    except Exception:  # not initialised: a single process
+    Once communication is initialised, a named group that does not exist is a ConfigError: falling
+    back to a world of one would silently stop the gradient averaging."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+    if not GlobalComm.INITED:
         return 1, 0
+    if group is None:
+        return int(get_group_size()), int(get_rank())
+    try:
+        return int(get_group_size(group)), int(get_rank(group))
+    except RuntimeError:
+        raise ConfigError(f"monitor.data_parallel_group: got {group!r}, a communication group that does not "
+                          f"exist (or does not hold this rank); allowed: None (the world, "
+                          f"{GlobalComm.WORLD_COMM_GROUP!r}) or the name of a group created with "
+                          f"mindspore.communication.create_group before the Trainer is built") from None
 
 
 class DataParallel:

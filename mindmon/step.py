@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from mindspore import mint, ops, value_and_grad
 
+from .config import check_max_norm
 from .distributed import DataParallel
 from .monitors import GradientSnapshot
 from .stats import SquaredNorms, host_is_device
@@ -63,7 +64,7 @@ class AccumulatingTrainStep:
         self.optimizer = optimizer
         self.num_micro_steps = num_micro_steps
         self.group = group
-        self.max_norm = max_norm
+        self.max_norm = check_max_norm(max_norm, "max_norm")  # NaN would multiply every gradient by NaN
         self.on_host = host_is_device() if on_host is None else on_host
         self.data_parallel = data_parallel or DataParallel()
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
@@ -118,7 +119,7 @@ class AccumulatingTrainStep:
         return float(np.sqrt(norms.results()["grads"].sum()))
 
     def _clip(self, grads, grad_norm: float):
-        if self.max_norm <= 0 or grad_norm <= self.max_norm:
+        if self.max_norm == 0 or grad_norm <= self.max_norm:  # 0: clipping off
             return grads
         scale = self.max_norm / grad_norm
         return tuple(g * scale for g in grads)

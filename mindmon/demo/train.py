@@ -5,10 +5,14 @@ It never calls mindmon's monitoring API: the monitoring comes from the YAML's `m
 through the autoload hook that installing mindmon adds.
 """
 import os
+import sys
 import tempfile
 from typing import Optional
 
 import yaml
+
+from ..config import DEFAULT_OUTPUT_DIR, ConfigError, _describe, _is_int, parse_sections, rank_selection_warnings
+from ..yaml_file import read_yaml
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,25 +39,59 @@ def overlay(base: dict, scenario: dict) -> dict:
     return merged
 
 
-def _read(path: str) -> dict:
-    with open(path, "r", encoding="utf-8") as handle:
-        return yaml.safe_load(handle) or {}
+def _mapping(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
 
 
-def _with_overrides(config_path: Optional[str], steps: Optional[int], output: Optional[str]) -> dict:
-    config = _read(default_config())
-    if config_path is not None:
-        config = overlay(config, _read(config_path))
+def _apply_overrides(config: dict, steps: Optional[int], output: Optional[str]) -> dict:
+    """`--steps` and `--output` on a validated config; every output the YAML switches on moves under `--output`."""
     if steps is not None:
         config["training"] = {**config["training"], "steps": steps}
     if output is not None:
-        config["monitor"] = {**config.get("monitor", {}), "output_dir": os.path.join(output, "monitor")}
-        if (config["monitor"].get("tensorboard") or {}).get("tensorboard_dir"):  # the sink is on: keep it in output
-            config["monitor"]["tensorboard"] = {**config["monitor"]["tensorboard"],
-                                                "tensorboard_dir": os.path.join(output, "tensorboard")}
-        if (config.get("profiler") or {}).get("enable_profiling"):  # likewise the profiler's traces
+        monitor = config["monitor"] = {**_mapping(config, "monitor"), "output_dir": os.path.join(output, "monitor")}
+        if _mapping(monitor, "tensorboard").get("tensorboard_dir"):  # the sink is on: keep it in output
+            monitor["tensorboard"] = {**monitor["tensorboard"], "tensorboard_dir": os.path.join(output, "tensorboard")}
+        if _mapping(config, "profiler").get("enable_profiling"):  # likewise the profiler's traces
             config["profiler"] = {**config["profiler"], "output_path": os.path.join(output, "profile")}
     return config
+
+
+def checked_config(config_path: Optional[str], steps: Optional[int], output: Optional[str]) -> dict:
+    """The demo config with the scenario file laid over it, validated (a `ConfigError` naming the key
+    comes before any override touches a section), then `--steps`/`--output` applied."""
+    config = read_yaml(default_config())
+    if config_path is not None:
+        config = overlay(config, read_yaml(config_path))
+    parse_sections(config)
+    _check_demo_sections(config, steps)
+    return _apply_overrides(config, steps, output)
+
+
+# The sizes the demo reads (DemoModelConfig's int fields), with the least each may be.
+_DEMO_SIZES = {"training.steps": 1, "training.local_batch_size": 1, "training.global_batch_size": 1,
+               **{f"model.{k}": 1 for k in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                                            "num_attention_heads", "seq_length", "num_experts", "moe_router_topk")},
+               "model.first_moe_layer": 0, "model.mtp_num_layers": 0}
+
+
+def _check_demo_sections(config: dict, steps: Optional[int]) -> None:
+    """What the demo itself reads from `training:` and `model:` (the Trainer checks the rest)."""
+    if steps is not None and steps <= 0:
+        raise ConfigError(f"--steps: got {steps}; allowed: a positive int")
+    for section in ("training", "model"):
+        if not isinstance(config.get(section), dict):
+            raise ConfigError(f"{section}: got {_describe(config.get(section))}; allowed: a mapping (the demo needs one)")
+    for key, least in _DEMO_SIZES.items():
+        section, name = key.split(".")
+        value = config[section].get(name)
+        if value is not None and (not _is_int(value) or value < least):
+            raise ConfigError(f"{key}: got {_describe(value)}; allowed: an int >= {least}")
+
+
+def metrics_file(config: dict, rank: int) -> str:
+    monitor_dir = _mapping(config, "monitor").get("output_dir", DEFAULT_OUTPUT_DIR)
+    return os.path.join(monitor_dir, f"rank_{rank}", "metrics.jsonl")
 
 
 def _join_process_group():
@@ -79,7 +117,9 @@ def run(config_path: Optional[str] = None, steps: Optional[int] = None, output: 
     from .data import make_dataset
     from .model import DemoModelConfig, DemoMoEGPT
 
-    config = _with_overrides(config_path, steps, output)
+    config = checked_config(config_path, steps, output)
+    for warning in rank_selection_warnings(parse_sections(config), world):
+        print(f"mindmon: warning: {warning}", file=sys.stderr)
     model_config = DemoModelConfig.from_dict(config["model"])
     training = config["training"]
     # Each data-parallel rank trains its own shard: global_batch_size / world samples per step.

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..config import ConfigError, MoEMonitorConfig
+from ..config import ConfigError, MoEMonitorConfig, short_repr
 from ..engine import Monitor
 from ..formats.layout import global_micro_step
 from ..records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
@@ -72,9 +72,11 @@ def select_layers(model, config: MoEMonitorConfig, logger: logging.Logger) -> Li
     else:
         targets = range(config.target_layers) if isinstance(config.target_layers, int) else config.target_layers
         count = decoder_layer_count(model)
-        missing = [t for t in targets if t >= count]
-        if missing:
-            raise ConfigError(f"{key}: got {config.target_layers!r}; decoder layer(s) {missing} do not exist; "
+        if (targets[-1] if isinstance(targets, range) else max(targets)) >= count:
+            # Name the missing ids compactly: target_layers may be 1000000 (a range, never listed out).
+            missing = (f"{count}..{config.target_layers - 1}" if isinstance(config.target_layers, int)
+                       else str(sorted(t for t in targets if t >= count)[:10]))
+            raise ConfigError(f"{key}: got {short_repr(config.target_layers)}; decoder layer(s) {missing} do not exist; "
                               f"allowed: ids 0..{count - 1} (the model has {count} decoder layers)")
         selected = []
         for target in targets:
@@ -84,7 +86,7 @@ def select_layers(model, config: MoEMonitorConfig, logger: logging.Logger) -> Li
             else:
                 logger.warning(f"{name} is not a MoE layer")
     if not selected:
-        raise ConfigError(f"{key}: got {config.target_layers!r}, which selects no MoE layer (no module with "
+        raise ConfigError(f"{key}: got {short_repr(config.target_layers)}, which selects no MoE layer (no module with "
                           f"tokens_per_expert; found: {sorted(found) or 'none'}); allowed: ids of MoE layers, "
                           f"or attach counters with mindmon.probes.attach_tokens_per_expert_probes")
     return selected
