@@ -116,7 +116,7 @@ class ParamFilter:
 
 @dataclass(frozen=True)
 class TrainStateConfig:
-    """`monitor.train_state`: gradient norms and losses per micro-step (seed section 1.1)."""
+    """`monitor.train_state`: gradient norms and losses per micro-step."""
 
     local_norm: ParamFilter = ParamFilter()
     local_loss: bool = False
@@ -148,7 +148,7 @@ class TrainStateConfig:
 
 @dataclass(frozen=True)
 class MoEMonitorConfig:
-    """`monitor.moe_monitor`: tokens per expert (seed section 1.2)."""
+    """`monitor.moe_monitor`: tokens per expert."""
 
     save_tokens_per_expert_interval: Optional[int] = None
     target_layers: Union[None, int, Tuple[int, ...]] = None
@@ -299,7 +299,7 @@ PROFILER_LEVELS = (0, 1, 2)
 
 @dataclass(frozen=True)
 class ProfilerConfig:
-    """The `profiler` section (seed section 2). `profiler_level` outside 0/1/2 means LevelNone."""
+    """The `profiler` section. `profiler_level` outside 0/1/2 means LevelNone."""
 
     enable_profiling: bool = False
     start_step: int = 1

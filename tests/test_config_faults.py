@@ -121,10 +121,12 @@ def test_rank_selections_that_miss_the_run_are_warned():
 
 def test_largest_tensorboard_queue_works_in_tensorboardx(tmp_path):
     """The bound is below what overflows tensorboardX (2**31 - 1), and the writer really opens with it."""
+    from mindmon.engine import RunInfo
     from mindmon.records import Record
     from mindmon.sinks.tensorboard import TensorBoardSink
 
-    sink = TensorBoardSink(str(tmp_path), 0, queue_size=MAX_TENSORBOARD_QUEUE)
+    sink = TensorBoardSink(str(tmp_path), queue_size=MAX_TENSORBOARD_QUEUE)
+    sink.open(RunInfo(0))
     sink.write([Record(1, None, 0, "device_loss", "loss", 2.5)])
     sink.close()
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "rank_0"))
