@@ -1,0 +1,1 @@
+"""On-disk formats, one module each holding both directions (writer and reader)."""
