@@ -107,6 +107,19 @@ def device_stats(tensor, ops: Sequence[str], eps: float):
     return msops.stack(values)
 
 
+class HostTensor:
+    """An array already in host memory, standing for a tensor of MindSpore dtype `dtype` (e.g. a sum of
+    gradients kept in float64 numpy)."""
+
+    def __init__(self, array: np.ndarray, dtype: str):
+        self.array = array
+        self.dtype = dtype
+        self.shape = array.shape
+
+    def asnumpy(self) -> np.ndarray:
+        return self.array
+
+
 def describe(tensor) -> Tuple[Tuple[int, ...], str]:
     """Shape and dtype as msprobe prints them: `(16, 8)`, `Float32`."""
     return tuple(int(d) for d in tensor.shape), str(tensor.dtype)
