@@ -1,5 +1,6 @@
 """TrainerMon on real MindSpore (CPU): every statistic of every CSV against a float64 numpy recomputation."""
 import csv
+import logging
 import glob
 import json
 import math
@@ -269,3 +270,37 @@ def test_gradients_reference_is_the_sum_of_micro_batches():
     parts = [gradients(w, x0, y0), gradients(w, x1, y1)]
     for name in NAMES:  # loss_k / K over half the samples each = the full batch's mean loss
         np.testing.assert_allclose(parts[0][name] + parts[1][name], full[name] * K, rtol=1e-12)
+
+
+class DeviceTrainerMon(TrainerMon):
+    """The path taken off CPU (statistics reduced by MindSpore ops, one transfer per step), run on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_host = False
+
+
+@pytest.mark.parametrize("config", [EVERYTHING, dict(EVERYTHING, monitor_mbs_grad=True)], ids=["summed", "mbs"])
+def test_device_path_matches_numpy(tmp_path, output_root, config):
+    msprobe_loop(DeviceTrainerMon, write_config(tmp_path, config))
+    rows = csv_rows(run_folder(output_root))
+    prefixes = ("param_origin", "param_updated", "grad_reduced", "exp_avg", "exp_avg_sq")
+    micro = config.get("monitor_mbs_grad", False)
+    assert set(rows) == expected_keys(prefixes) | expected_keys(["grad_unreduced"], micro=micro)
+    assert_matches_reference(rows, reference_run(), 12)
+
+
+def test_output_failure_is_logged_once_and_training_goes_on(tmp_path, output_root, caplog):
+    import shutil
+
+    class BrokenFolder(TrainerMon):
+        def set_monitor(self, *args, **kwargs):
+            super().set_monitor(*args, **kwargs)
+            shutil.rmtree(self.sink.folder)
+            open(self.sink.folder, "w").close()   # the run folder is now a file: every write fails
+
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        monitor = msprobe_loop(BrokenFolder, write_config(tmp_path, WEIGHTS))
+    assert monitor.step == STEPS
+    failures = [r.getMessage() for r in caplog.records if "TrainerMon failed" in r.getMessage()]
+    assert len(failures) == 1 and "step 0" in failures[0]

@@ -144,9 +144,11 @@ def _check_later(path: str, later: Dict[str, Any]) -> None:
 def _targets(path: str, value: Any) -> Tuple[str, ...]:
     if not isinstance(value, dict):
         raise _type_error(path, value, 'a mapping {"module or parameter name": {}}; {} = everything')
-    for name in value:
+    for name, spec in value.items():
         if not isinstance(name, str):
             raise _type_error(path, name, "module or parameter names (strings) as keys")
+        if not isinstance(spec, dict):
+            raise _type_error(f"{path}.{name}", spec, "a mapping ({} or activation input/output specs)")
     return tuple(name for name in value if name != "")
 
 
