@@ -191,20 +191,6 @@ def test_generate_wgrad_metrics(tmp_path, output_root):
     assert unreduced == {}
 
 
-def test_nan_is_recorded_not_dropped(tmp_path, output_root):
-    import mindspore as ms
-    from mindmon.monitors.tensor_stats import OPS, TensorStatsMonitor
-
-    data = np.array([[1.0, np.nan, -3.0], [0.0, 5e-9, np.inf]], np.float32)
-    for on_host in (True, False):
-        monitor = TensorStatsMonitor(OPS, eps=1e-8, on_host=on_host)
-        monitor.record("grad_reduced", [("w", ms.Tensor(data))])
-        (record,) = monitor.collect(1)
-        stats = dict(zip(record.ops, record.value))
-        assert all(math.isnan(stats[op]) for op in ("min", "max", "mean", "norm")), (on_host, stats)
-        assert stats["nans"] == 1 and math.isclose(stats["zeros"], 2 / 6, rel_tol=1e-6)
-
-
 def test_deprecated_entry_points(tmp_path, output_root):
     import mindspore as ms
     from msprobe_reference import make_model, make_optimizer
@@ -302,5 +288,29 @@ def test_output_failure_is_logged_once_and_training_goes_on(tmp_path, output_roo
     with caplog.at_level(logging.WARNING, logger="mindmon"):
         monitor = msprobe_loop(BrokenFolder, write_config(tmp_path, WEIGHTS))
     assert monitor.step == STEPS
-    failures = [r.getMessage() for r in caplog.records if "TrainerMon failed" in r.getMessage()]
-    assert len(failures) == 1 and "step 0" in failures[0]
+    failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failures) == 1 and "MsprobeCsvSink failed at step 0" in failures[0]
+
+
+def test_from_config_feeds_extra_sinks(tmp_path, output_root):
+    from mindmon.engine import Sink
+    from mindmon.msprobe import parse_tensor_stats
+
+    class Collect(Sink):
+        def __init__(self):
+            self.records, self.flushes = [], 0
+
+        def write(self, records):
+            self.records += records
+
+        def flush(self):
+            self.flushes += 1
+
+    collected = Collect()
+    config = parse_tensor_stats({"wg_distribution": True, "ops": ["norm"]}, "monitor.tensor_stats")
+    msprobe_loop(lambda path, params_have_main_grad: TrainerMon.from_config(config, [collected], False),
+                 write_config(tmp_path, {}))
+    assert collected.flushes == STEPS and len(collected.records) == 2 * len(NAMES) * STEPS
+    first = collected.records[0].to_json()
+    assert first["kind"] in ("grad_reduced", "grad_unreduced") and first["ops"] == ["norm"] and first["step"] == 1
+    assert set(csv_rows(run_folder(output_root))) == expected_keys(["grad_reduced", "grad_unreduced"])

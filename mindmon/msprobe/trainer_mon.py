@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import ConfigError, _is_int
 from ..distributed import DataParallel
-from ..engine import RunInfo
+from ..engine import RunInfo, Sink
 from ..monitors.tensor_stats import (EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN,
                                      PARAM_UPDATED, TensorStatsMonitor, TensorStatsRecord)
 from ..sinks.csv import MsprobeCsvSink
@@ -40,28 +40,44 @@ class TrainerMon:
         if opt_ty is not None:
             warnings.warn("TrainerMon(opt_ty=...) is deprecated and ignored: the optimizer type is read from "
                           "the optimizer given to set_monitor", DeprecationWarning, stacklevel=2)
-        self.config: TensorStatsConfig = load_config_json(config_file_path)
+        self._setup(load_config_json(config_file_path), [])
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
+
+    @classmethod
+    def from_config(cls, config: TensorStatsConfig, sinks: Sequence[Sink] = (), params_have_main_grad: bool = True
+                    ) -> "TrainerMon":
+        """A TrainerMon from an already parsed configuration (the YAML route), writing to the CSV sink and to
+        `sinks` (opened by the caller; they get every step's records and a flush)."""
+        monitor = cls.__new__(cls)
+        monitor._setup(config, list(sinks))
+        monitor.process_group = None
+        monitor.params_have_main_grad = params_have_main_grad
+        return monitor
+
+    def _setup(self, config: TensorStatsConfig, extra_sinks: List[Sink]) -> None:
+        self.config = config
+        self.extra_sinks = extra_sinks
         self.rank = DataParallel().rank
         self.on_host = host_is_device()
         self.monitor: Optional[TensorStatsMonitor] = None
         self.sink: Optional[MsprobeCsvSink] = None
+        self._ops = config.ops
         self.step = 0
         self._handles: List = []
-        self._failed = False
 
     # --- msprobe's public API -------------------------------------------------------------------------
 
     @property
     def ops(self) -> Tuple[str, ...]:
-        return self.monitor.ops if self.monitor is not None else self.config.ops
+        return self.monitor.ops if self.monitor is not None else self._ops
 
     @ops.setter
     def ops(self, ops: Sequence[str]) -> None:
         warnings.warn("setting TrainerMon.ops while training is deprecated; rows of the current CSV file "
                       "keep its header", DeprecationWarning, stacklevel=2)
         ops = _ops("ops", list(ops))
+        self._ops = ops
         if self.monitor is not None:
             self.monitor.ops = ops
 
@@ -84,7 +100,7 @@ class TrainerMon:
         self.moments = self._moments(optimizer, len(parameters))
         self._keep_grads = _keeps_reduced_gradients(dp_group, tp_group, parameters, self.selected)
         self.step = start_iteration
-        self.monitor = TensorStatsMonitor(self.config.ops, self.config.eps, self.on_host, self.rank)
+        self.monitor = TensorStatsMonitor(self._ops, self.config.eps, self.on_host, self.rank)
         self.sink = MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
                                    self.config.significant_digits, self.config.append_output)
         self.sink.open(RunInfo(rank=self.rank, start_step=start_iteration))
@@ -127,6 +143,8 @@ class TrainerMon:
         self._handles.clear()
         if self.sink is not None:
             self.sink.close()
+        for sink in self.extra_sinks:
+            sink.close()
 
     # --- attaching ------------------------------------------------------------------------------------
 
@@ -194,8 +212,13 @@ class TrainerMon:
             self.monitor.record(PARAM_UPDATED, [(name, self.parameters[i]) for i, name in self.selected])
         self._sums.check_count(self.grad_acc_steps, self.step)
         records = self.monitor.collect(self.step + 1)  # records count steps from 1; the CSV writes step 0
-        self.sink.write(records)
-        self.sink.flush()
+        for sink in [self.sink] + self.extra_sinks:
+            try:
+                sink.write(records)
+                sink.flush()
+            except Exception as error:  # noqa: BLE001 - one sink failing stops neither the others nor training
+                self._warn_once(id(sink), "mindmon: %s failed at step %d (its later failures are not logged): "
+                                "%s: %s", type(sink).__name__, self.step, type(error).__name__, error)
 
     def _reduced_gradients(self, inputs) -> List[tuple]:
         """The gradients the optimizer gets: the tuple passed to its call, else each parameter's
@@ -230,7 +253,7 @@ class TrainerMon:
             self._collecting = False
             self.monitor.reset()
 
-    def _warn_once(self, key: str, message: str, *args) -> None:
+    def _warn_once(self, key, message: str, *args) -> None:
         warned = self.__dict__.setdefault("_warned", set())
         if key not in warned:
             warned.add(key)

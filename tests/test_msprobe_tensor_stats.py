@@ -1,0 +1,57 @@
+"""The statistics engine alone: NaN/Inf kept, bfloat16, both paths (numpy on CPU, device ops) against numpy."""
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from mindmon.monitors.tensor_stats import OPS, TensorStatsMonitor
+
+
+def float64_stats(array, eps):
+    flat = np.asarray(array, np.float64).reshape(-1)
+    return {"min": flat.min(), "max": flat.max(), "mean": flat.mean(), "norm": math.sqrt((flat * flat).sum()),
+            "zeros": np.count_nonzero(np.abs(flat) < eps) / flat.size, "nans": np.count_nonzero(np.isnan(flat))}
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+def test_nan_and_inf_are_recorded_not_dropped(on_host):
+    data = np.array([[1.0, np.nan, -3.0], [0.0, 5e-9, np.inf]], np.float32)
+    monitor = TensorStatsMonitor(OPS, eps=1e-8, on_host=on_host)
+    monitor.record("grad_reduced", [("w", ms.Tensor(data))])
+    (record,) = monitor.collect(1)
+    stats = dict(zip(record.ops, record.value))
+    assert all(math.isnan(stats[op]) for op in ("min", "max", "mean", "norm")), stats
+    assert stats["nans"] == 1 and math.isclose(stats["zeros"], 2 / 6, rel_tol=1e-6)
+    monitor.record("grad_reduced", [("w", ms.Tensor(np.array([1.0, -np.inf], np.float32)))])
+    (record,) = monitor.collect(2)
+    assert record.value[:4] == [-math.inf, 1.0, -math.inf, math.inf]
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+@pytest.mark.parametrize("dtype", [ms.float32, ms.bfloat16, ms.float16], ids=str)
+def test_many_tensors_match_float64_numpy(on_host, dtype):
+    rng = np.random.default_rng(7)
+    arrays = [rng.normal(0, 1, (64, 96)).astype(np.float32), rng.normal(3, 0.01, (5000,)).astype(np.float32),
+              np.where(rng.random((7, 3)) < 0.5, 0, 1e-3).astype(np.float32)]
+    tensors = [ms.Tensor(a).astype(dtype) for a in arrays]
+    ops = ("nans", "norm", "mean", "zeros", "max", "min")   # any order: values follow it
+    monitor = TensorStatsMonitor(ops, eps=1e-6, on_host=on_host)
+    monitor.record("param_origin", [(f"t{i}", t) for i, t in enumerate(tensors)])
+    records = monitor.collect(1)
+    assert [r.name for r in records] == ["t0", "t1", "t2"] and records[0].shape == (64, 96)
+    assert records[0].dtype == str(dtype)
+    for record, tensor in zip(records, tensors):
+        values = tensor.astype(ms.float32).asnumpy()   # what the low-precision tensor holds, exactly
+        expected = float64_stats(values, 1e-6)
+        for op, value in zip(record.ops, record.value):
+            scale = np.abs(values).max() if op == "mean" else abs(expected[op])
+            assert abs(value - expected[op]) <= 2e-6 * scale + 1e-12, (op, value, expected[op])
+
+
+def test_ops_change_takes_effect_for_later_records():
+    monitor = TensorStatsMonitor(("min",), on_host=True)
+    monitor.ops = ["max", "nans"]
+    monitor.record("exp_avg", [("w", ms.Tensor(np.array([1.0, 2.0], np.float32)))], {"micro_step": 1})
+    (record,) = monitor.collect(4)
+    assert (record.ops, record.value, record.micro_step, record.step) == (("max", "nans"), [2.0, 0.0], 1, 4)
