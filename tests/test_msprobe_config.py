@@ -87,6 +87,9 @@ def test_defaults_as_msprobe_documents():
 def test_ops_keep_config_order_and_empty_means_norm():
     assert parse_tensor_stats({"ops": ["nans", "min", "nans", "mean"]}).ops == ("nans", "min", "mean")
     assert parse_tensor_stats({"ops": []}).ops == ("norm",)
+    # msprobe also lists shape and dtype (always written as columns) and id among its ops.
+    assert parse_tensor_stats({"ops": ["max", "shape", "dtype", "id"]}).ops == ("max", "id")
+    assert parse_tensor_stats({"ops": ["shape"]}).ops == ("norm",)
 
 
 def test_documented_full_config_parses_and_names_later_capabilities(caplog):

@@ -55,3 +55,12 @@ def test_ops_change_takes_effect_for_later_records():
     monitor.record("exp_avg", [("w", ms.Tensor(np.array([1.0, 2.0], np.float32)))], {"micro_step": 1})
     (record,) = monitor.collect(4)
     assert (record.ops, record.value, record.micro_step, record.step) == (("max", "nans"), [2.0, 0.0], 1, 4)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+def test_id_is_the_value_of_a_scalar(on_host):
+    monitor = TensorStatsMonitor(("id", "max"), on_host=on_host)
+    monitor.record("param_origin", [("scale", ms.Tensor(np.float32(2.5))), ("w", ms.Tensor(np.ones(3, np.float32)))])
+    scalar, vector = monitor.collect(1)
+    assert scalar.value == [2.5, 2.5] and scalar.shape == ()
+    assert math.isnan(vector.value[0]) and vector.value[1] == 1.0

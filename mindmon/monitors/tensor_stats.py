@@ -6,6 +6,7 @@ The statistics, all of the tensor flattened:
     norm       L2 norm
     zeros      share of elements with |x| < eps
     nans       number of NaN elements
+    id         the value of a 0-dim tensor; NaN for any other
 
 On CPU (`asnumpy()` is a view of the tensor's memory) they are taken in numpy right away, with float64
 accumulation for `mean`. Elsewhere each tensor's statistics are reduced on the device into one small
@@ -29,7 +30,7 @@ from ..engine import Monitor
 from ..records import Record
 from ..stats import _host_array, _squared_norm
 
-OPS = ("min", "max", "mean", "norm", "zeros", "nans")
+OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
 # The collection points, in the order msprobe documents its CSV prefixes.
 PARAM_ORIGIN = "param_origin"        # parameters before the optimizer update
@@ -58,8 +59,9 @@ class TensorStatsRecord(Record):
         return self.value[self.ops.index(op)]
 
 
-def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float) -> List[float]:
-    """The statistics of one flat array, in `ops` order (float64 where precision matters)."""
+def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:
+    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order (float64 where
+    precision matters)."""
     out = []
     size = flat.size
     for op in ops:
@@ -69,6 +71,8 @@ def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float) -> List[float]
             out.append(float(np.count_nonzero(np.abs(flat) < eps)) / size if size else float("nan"))
         elif op == "norm":
             out.append(float(np.sqrt(_squared_norm(flat))))
+        elif op == "id":
+            out.append(float(flat[0]) if scalar else float("nan"))
         elif not size:
             out.append(float("nan"))
         elif op == "min":
@@ -98,6 +102,8 @@ def device_stats(tensor, ops: Sequence[str], eps: float):
             values.append((mint.abs(flat) < eps).astype(ms.float32).sum() / size)
         elif op == "norm":
             values.append(mint.sqrt(mint.sum(mint.square(flat))))
+        elif op == "id":
+            values.append(flat[0] if not tensor.shape else msops.fill(ms.float32, (), float("nan")))
         elif op == "min":
             values.append(flat.min() + poison)
         elif op == "max":
@@ -140,7 +146,7 @@ class TensorStats:
         names = [name for name, _ in named_tensors]
         layouts = [describe(t) for _, t in named_tensors]
         if self.on_host:
-            values = np.array([numpy_stats(_host_array(t), self.ops, self.eps) for _, t in named_tensors],
+            values = np.array([numpy_stats(_host_array(t), self.ops, self.eps, not t.shape) for _, t in named_tensors],
                               dtype=np.float64)
         else:
             from mindspore import ops as msops

@@ -42,6 +42,7 @@ _DEFAULTS = {
 }
 KEYS = tuple(_DEFAULTS) + tuple(LATER_CAPABILITIES)
 MAX_STEP_COUNT_PER_RECORD = 1000000
+ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,11 @@ def _targets(path: str, value: Any) -> Tuple[str, ...]:
 def _ops(path: str, value: Any) -> Tuple[str, ...]:
     if not isinstance(value, list):
         raise _type_error(path, value, f"a list of statistics from {list(OPS)}")
-    bad = [op for op in value if op not in OPS]
+    bad = [op for op in value if op not in OPS + ALWAYS_WRITTEN]
     if bad:
-        raise _value_error(path, bad[0], f"statistics from {list(OPS)}")
-    ops = tuple(dict.fromkeys(value))  # duplicates dropped, config order kept
+        raise _value_error(path, bad[0], f"statistics from {list(OPS)} (and {list(ALWAYS_WRITTEN)}, always written)")
+    # Duplicates dropped, config order kept; shape and dtype are columns of every file anyway.
+    ops = tuple(op for op in dict.fromkeys(value) if op not in ALWAYS_WRITTEN)
     return ops or ("norm",)
 
 
