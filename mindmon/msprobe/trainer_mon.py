@@ -103,8 +103,8 @@ class TrainerMon:
         self.monitor = TensorStatsMonitor(self._ops, self.config.eps, self.on_host, self.rank)
         self.sink = MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
                                    self.config.significant_digits, self.config.append_output)
-        self.sink.open(RunInfo(rank=self.rank, start_step=start_iteration))
         self._attach(optimizer)
+        self.sink.open(RunInfo(rank=self.rank, start_step=start_iteration))
         logger.info("mindmon: TrainerMon writes %s for %d parameters to %s", self._points(),
                     len(self.selected), self.sink.folder)
 
@@ -168,10 +168,11 @@ class TrainerMon:
     def _attach(self, optimizer) -> None:
         self._collecting = self.config.collects(self.step)
         self._sums = GradientSums(self.on_host, self.config.monitor_mbs_grad, self._record_micro_gradient)
+        # The optimizer first: it is the hook that can be refused, and then nothing is left attached.
+        self._handles += _hook_optimizer_calls(optimizer, self._before_update, self._after_update)
         if self.config.wg_distribution:
             for index, name in self.selected:
                 self._handles.append(self.parameters[index].register_hook(self._gradient_hook(index, name)))
-        self._handles += _hook_optimizer_calls(optimizer, self._before_update, self._after_update)
 
     def _gradient_hook(self, index: int, name: str):
         def hook(grad):

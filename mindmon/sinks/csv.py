@@ -2,7 +2,7 @@
 
 Example:
     sink = MsprobeCsvSink(ndigits=6, step_count_per_record=5)
-    sink.open(RunInfo(rank=0))          # creates $MONITOR_OUTPUT_DIR/<MonDD_HH-MM-SS>-rank0-<id>/
+    sink.open(RunInfo(rank=0))          # names $MONITOR_OUTPUT_DIR/<MonDD_HH-MM-SS>-rank0-<id>/ (made at 1st write)
     sink.write(records)                 # TensorStatsRecords; other records are not for this sink
     sink.flush()
 """
@@ -35,15 +35,14 @@ class MsprobeCsvSink(Sink):
 
     def open(self, run: RunInfo) -> None:
         root = self.root or fmt.output_root()
-        os.makedirs(root, exist_ok=True)
         if self.append_output:
             self.folder = fmt.find_run_folder(root, run.rank, *self.append_output)
             if self.folder is None:
                 logger.warning("mindmon: append_output %s: no run folder of rank %d in that range under %s; "
                                "writing a new one", list(self.append_output), run.rank, root)
         if self.folder is None:
+            # Created at the first write: a run that stops before its first step leaves no empty folder.
             self.folder = os.path.join(root, fmt.run_folder_name(run.rank))
-        os.makedirs(self.folder, exist_ok=True)
 
     def write(self, records: Sequence) -> None:
         if self.folder is None:
@@ -53,6 +52,8 @@ class MsprobeCsvSink(Sink):
             if isinstance(record, TensorStatsRecord):
                 first, last = fmt.step_range(record.step - 1, self.step_count_per_record)
                 by_file[os.path.join(self.folder, fmt.file_name(record.kind, first, last))].append(record)
+        if by_file:
+            os.makedirs(self.folder, exist_ok=True)
         for path, file_records in by_file.items():
             columns = self._header(path, file_records)
             rows = [fmt.format_row(r, columns, self.ndigits, self.significant_digits) for r in file_records]
