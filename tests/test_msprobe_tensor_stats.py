@@ -64,3 +64,14 @@ def test_id_is_the_value_of_a_scalar(on_host):
     scalar, vector = monitor.collect(1)
     assert scalar.value == [2.5, 2.5] and scalar.shape == ()
     assert math.isnan(vector.value[0]) and vector.value[1] == 1.0
+
+
+def test_huge_float32_values_do_not_overflow(recwarn):
+    data = np.full(70000, 3e38, np.float32)   # any float32 partial sum of two of them overflows
+    monitor = TensorStatsMonitor(("mean", "nans", "norm"), on_host=True)
+    monitor.record("param_origin", [("w", ms.Tensor(data))])
+    (record,) = monitor.collect(1)
+    value = float(np.float32(3e38))
+    assert math.isclose(record.value[0], value, rel_tol=1e-7) and record.value[1] == 0.0
+    assert math.isclose(record.value[2], value * math.sqrt(70000), rel_tol=1e-7)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
