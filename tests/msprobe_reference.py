@@ -28,8 +28,11 @@ def initial_weights():
 def batches():
     """[step][micro_step] -> (x, y), float32."""
     rng = np.random.default_rng(99)
-    return [[(rng.normal(size=(MICRO_BATCH, 4)).astype(np.float32), rng.normal(size=(MICRO_BATCH, 3)).astype(np.float32))
-             for _ in range(K)] for _ in range(STEPS)]
+    def micro_batch():
+        return (rng.normal(size=(MICRO_BATCH, 4)).astype(np.float32),
+                rng.normal(size=(MICRO_BATCH, 3)).astype(np.float32))
+
+    return [[micro_batch() for _ in range(K)] for _ in range(STEPS)]
 
 
 def gradients(w, x, y):

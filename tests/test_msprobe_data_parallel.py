@@ -51,7 +51,8 @@ def test_two_ranks(tmp_path):
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     msrun = shutil.which("msrun", path=bin_dir) or "msrun"
     result = subprocess.run([msrun, f"--worker_num={RANKS}", f"--local_worker_num={RANKS}", f"--master_port={port}",
-                             f"--log_dir={tmp_path / 'logs'}", "--join=True", os.path.join(HERE, "msprobe_dp_worker.py"),
+                             f"--log_dir={tmp_path / 'logs'}", "--join=True",
+                             os.path.join(HERE, "msprobe_dp_worker.py"),
                              str(config)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     logs = "".join(p.read_text()[-2000:] for p in (tmp_path / "logs").glob("worker_*.log"))
     assert result.returncode == 0, result.stdout[-2000:] + logs
@@ -73,4 +74,5 @@ def test_two_ranks(tmp_path):
                     assert abs(value - want) <= 1e-5 * scale + 1e-12, (key, op, value, want)
     assert seen == set(expected)
     # The ranks' gradients differ before the reduction, so the check above tells them apart.
-    assert not np.allclose(expected[("grad_unreduced", 0, 0, "fc1.weight")], expected[("grad_unreduced", 1, 0, "fc1.weight")])
+    rank0, rank1 = (expected[("grad_unreduced", rank, 0, "fc1.weight")] for rank in range(RANKS))
+    assert not np.allclose(rank0, rank1)

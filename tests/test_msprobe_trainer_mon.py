@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from msprobe_reference import (BETA1_F32, BETA2_F32, K, NAMES, STEPS, accumulating_step_loop, adamw_torch, batches, gradients,
+from msprobe_reference import (BETA1_F32, BETA2_F32, K, NAMES, STEPS, accumulating_step_loop, adamw_torch,
+                               batches, gradients,
                                initial_weights, main_grad_loop, msprobe_loop, reference_run, statistic)
 from mindmon.formats.msprobe_csv import read_csv
 from mindmon.msprobe import TrainerMon
@@ -114,7 +115,8 @@ def test_csv_text_is_msprobe_layout(tmp_path, output_root):
     w = initial_weights()["fc1.weight"].astype(np.float64)
     norm = round(float(np.sqrt((w * w).sum())), 6)
     assert lines[0] == "vpp_stage,name,step,norm,min,max,nans,shape,dtype"
-    assert lines[1] == f'0,fc1.weight,0,{norm!r},{round(float(w.min()), 6)!r},{round(float(w.max()), 6)!r},0.0,"(8, 4)",Float32'
+    low, high = round(float(w.min()), 6), round(float(w.max()), 6)
+    assert lines[1] == f'0,fc1.weight,0,{norm!r},{low!r},{high!r},0.0,"(8, 4)",Float32'
 
 
 def test_micro_batch_gradients(tmp_path, output_root):

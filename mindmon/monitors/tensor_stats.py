@@ -117,10 +117,11 @@ def device_stats(tensor, ops: Sequence[str], eps: float):
     from mindspore import mint, ops as msops
     import mindspore as ms
 
-    flat = tensor.astype(ms.float32).reshape(-1)
+    flat = (tensor if tensor.dtype == ms.float32 else tensor.astype(ms.float32)).reshape(-1)
     size = max(int(flat.shape[0]), 1)
-    nan_count = msops.isnan(flat).astype(ms.float32).sum()
-    poison = msops.select(nan_count > 0, msops.fill(ms.float32, (), float("nan")), msops.fill(ms.float32, (), 0.0))
+    if {"nans", "min", "max"} & set(ops):
+        nan_count = msops.isnan(flat).astype(ms.float32).sum()
+        poison = mint.sqrt(-nan_count)   # sqrt(-0) = 0, sqrt(-n) = NaN: two dispatches, no host read
     values = []
     for op in ops:
         if op == "nans":
