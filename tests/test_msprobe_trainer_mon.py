@@ -314,3 +314,25 @@ def test_from_config_feeds_extra_sinks(tmp_path, output_root):
     first = collected.records[0].to_json()
     assert first["kind"] in ("grad_reduced", "grad_unreduced") and first["ops"] == ["norm"] and first["step"] == 1
     assert set(csv_rows(run_folder(output_root))) == expected_keys(["grad_reduced", "grad_unreduced"])
+
+
+def test_generate_wgrad_metrics_inside_a_step(tmp_path, output_root):
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+    from msprobe_reference import make_model, make_optimizer
+
+    model = make_model()
+    optimizer = make_optimizer("AdamWeightDecay", model.trainable_params())
+    monitor = TrainerMon(write_config(tmp_path, WEIGHT_GRADIENTS), params_have_main_grad=False)
+    monitor.set_monitor(model, K, optimizer)
+    loss_fn = nn.MSELoss()
+    grad_fn = value_and_grad(lambda x, y: loss_fn(model(x), y) / K, None, optimizer.parameters)
+    for x, y in batches()[0]:
+        grad_fn(ms.Tensor(x), ms.Tensor(y))
+    reduced, unreduced = monitor.generate_wgrad_metrics()
+    assert reduced == {}   # nothing in param.grad: only the optimizer call will see the reduced gradients
+    reference = reference_run(steps=1)
+    for name in NAMES:
+        expected = reference[("grad_unreduced", 0, None, name)]
+        assert set(unreduced[name]) == {"min", "max", "mean", "norm"}
+        assert math.isclose(unreduced[name]["norm"], statistic(expected, "norm"), rel_tol=RTOL)
