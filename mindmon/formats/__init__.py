@@ -5,5 +5,6 @@ writer the sinks use and the reader the offline tools use), so a format cannot d
 - `jsonl`: `rank_<r>/metrics.jsonl`, one record per line;
 - `log_lines`: the training-log lines (train_state, tokens per expert, max attention logit) and
   MindFormers' own LossCallback line, which mindmon only reads;
-- `megatron_tpe`: `tokens_per_expert/rank<r>.jsonl` in Megatron-Core's schema.
+- `megatron_tpe`: `tokens_per_expert/rank<r>.jsonl` in Megatron-Core's schema;
+- `msprobe_csv`: msprobe's `<prefix>_<start>-<end>.csv` tensor-statistics files.
 """

@@ -1,0 +1,145 @@
+"""msprobe's monitor CSV files, both directions: the writer the CSV sink uses and the reader for tools.
+
+Layout (one run = one folder per rank under the output root):
+
+    $MONITOR_OUTPUT_DIR (default ./monitor_output)/
+        Nov29_18-46-25-rank0-1a2b3c4d/          local time, rank, 8 random hex digits
+            grad_reduced_0-4.csv                <prefix>_<first step>-<last step>.csv
+            param_origin_0-4.csv ...
+
+One file holds `step_count_per_record` consecutive steps (files start at multiples of it). Header:
+
+    vpp_stage,name,step[,micro_step],<ops in config order>,shape,dtype
+
+one row per tensor and step: `vpp_stage` 0, `name` the parameter, `step` 0-based (the optimizer step
+index), `micro_step` only in files of per-micro-batch rows, statistics rounded to `ndigits` decimal
+places (or significant digits), `shape` as `"(16, 8)"`, `dtype` as MindSpore prints it (`Float32`).
+Records carry 1-based steps (the engine's convention): the CSV step is `record.step - 1`.
+
+Example:
+    names = header(("min", "norm"), micro_step=False)   # ['vpp_stage', 'name', 'step', 'min', 'norm', 'shape', 'dtype']
+    records = read_csv("monitor_output/.../grad_reduced_0-0.csv")
+"""
+import ast
+import csv
+import math
+import os
+import re
+import uuid
+from datetime import datetime
+from typing import List, Optional, Sequence, Tuple
+
+from ..monitors.tensor_stats import TensorStatsRecord
+
+OUTPUT_DIR_ENV = "MONITOR_OUTPUT_DIR"
+DEFAULT_OUTPUT_ROOT = "./monitor_output"
+RUN_FOLDER_TIME_FORMAT = "%b%d_%H-%M-%S"
+LEADING = ("vpp_stage", "name", "step")
+MICRO_STEP = "micro_step"
+TRAILING = ("shape", "dtype")
+_FILE_NAME = re.compile(r"^(?P<prefix>.+)_(?P<start>\d+)-(?P<end>\d+)\.csv$")
+
+
+def output_root() -> str:
+    return os.environ.get(OUTPUT_DIR_ENV) or DEFAULT_OUTPUT_ROOT
+
+
+def run_folder_name(rank: int, now: Optional[datetime] = None) -> str:
+    """`<MonDD_HH-MM-SS>-rank<r>-<id>` in local time."""
+    stamp = (now or datetime.now()).strftime(RUN_FOLDER_TIME_FORMAT)
+    return f"{stamp}-rank{rank}-{uuid.uuid4().hex[:8]}"
+
+
+def find_run_folder(root: str, rank: int, first: str, last: str) -> Optional[str]:
+    """The newest existing folder of `rank` whose timestamp lies in [first, last] (append_output)."""
+    low, high = (datetime.strptime(s, RUN_FOLDER_TIME_FORMAT) for s in (first, last))
+    found = []
+    for entry in os.listdir(root) if os.path.isdir(root) else ():
+        match = re.match(rf"^(\w{{3}}\d\d_\d\d-\d\d-\d\d)-rank{rank}-\w+$", entry)
+        if match and low <= datetime.strptime(match.group(1), RUN_FOLDER_TIME_FORMAT) <= high:
+            found.append((datetime.strptime(match.group(1), RUN_FOLDER_TIME_FORMAT), entry))
+    return os.path.join(root, max(found)[1]) if found else None
+
+
+def step_range(step0: int, steps_per_file: int) -> Tuple[int, int]:
+    first = step0 // steps_per_file * steps_per_file
+    return first, first + steps_per_file - 1
+
+
+def file_name(prefix: str, first: int, last: int) -> str:
+    return f"{prefix}_{first}-{last}.csv"
+
+
+def header(ops: Sequence[str], micro_step: bool) -> List[str]:
+    return list(LEADING) + ([MICRO_STEP] if micro_step else []) + list(ops) + list(TRAILING)
+
+
+def format_value(value: float, ndigits: int, significant: bool = False) -> str:
+    """`round(value, ndigits)` as Python prints it (`0.123457`, `1e-10`, `nan`, `inf`), or, with
+    `significant`, `ndigits` significant digits, so small values are not rounded away."""
+    if not math.isfinite(value):
+        return repr(float(value))
+    if significant:
+        return repr(float(f"{value:.{max(ndigits, 1)}g}"))
+    return repr(round(float(value), ndigits))
+
+
+def format_row(record: TensorStatsRecord, columns: Sequence[str], ndigits: int, significant: bool = False
+               ) -> List[str]:
+    """One CSV row for `columns` (a header): statistics the record lacks are left empty, so every row
+    has exactly as many fields as its header."""
+    fields = []
+    for column in columns:
+        if column == "vpp_stage":
+            fields.append("0")
+        elif column == "name":
+            fields.append(record.name)
+        elif column == "step":
+            fields.append(str(record.step - 1))
+        elif column == MICRO_STEP:
+            fields.append("" if record.micro_step is None else str(record.micro_step))
+        elif column == "shape":
+            fields.append(str(tuple(record.shape)))
+        elif column == "dtype":
+            fields.append(record.dtype)
+        elif column in record.ops:
+            fields.append(format_value(record.stat(column), ndigits, significant))
+        else:
+            fields.append("")
+    return fields
+
+
+def write_rows(path: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Appends rows, writing the header first when the file is new."""
+    new = not os.path.exists(path)
+    with open(path, "a", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        if new:
+            writer.writerow(columns)
+        writer.writerows(rows)
+
+
+def read_header(path: str) -> List[str]:
+    with open(path, newline="", encoding="utf-8") as file:
+        return next(csv.reader(file), [])
+
+
+def read_csv(path: str, rank: int = 0) -> List[TensorStatsRecord]:
+    """The records of one CSV file (kind = the file's prefix, 1-based steps, statistics as floats;
+    an empty field is NaN)."""
+    match = _FILE_NAME.match(os.path.basename(path))
+    if not match:
+        raise ValueError(f"{path}: not a <prefix>_<start>-<end>.csv file")
+    with open(path, newline="", encoding="utf-8") as file:
+        rows = list(csv.reader(file))
+    columns = rows[0]
+    ops = tuple(c for c in columns if c not in LEADING + TRAILING + (MICRO_STEP,))
+    records = []
+    for row in rows[1:]:
+        cell = dict(zip(columns, row))
+        micro = cell.get(MICRO_STEP)
+        records.append(TensorStatsRecord(
+            int(cell["step"]) + 1, int(micro) if micro else None, rank, match.group("prefix"), cell["name"],
+            [float(cell[op]) if cell[op] else float("nan") for op in ops],
+            ops=ops, shape=tuple(ast.literal_eval(cell["shape"])), dtype=cell["dtype"]))
+    return records

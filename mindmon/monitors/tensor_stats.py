@@ -1,0 +1,242 @@
+"""Per-tensor statistics (msprobe's `ops`) for many tensors at one collection point, no host sync per tensor.
+
+The statistics, all of the tensor flattened:
+    min, max   smallest / largest element; NaN if the tensor holds a NaN
+    mean       signed mean; NaN with a NaN inside, +-inf / NaN with infinities, as arithmetic gives
+    norm       L2 norm
+    zeros      share of elements with |x| < eps
+    nans       number of NaN elements
+    id         the value of a 0-dim tensor; NaN for any other
+
+On CPU (`asnumpy()` is a view of the tensor's memory) they are taken in numpy right away (sums of
+float32 data in float32 blocks added in float64: relative error about 1e-7, the precision of the data).
+Elsewhere each tensor's statistics are reduced on the device into one small vector, the vectors of a
+collection point are stacked, and the host reads everything once, at `collect`.
+
+A collection point (`param_origin`, `grad_reduced`, ...) becomes one `TensorStatsRecord` per tensor:
+kind = the point's name (the CSV file prefix), name = the tensor's name, value = the statistics in
+`ops` order, plus `ops`, `shape` and `dtype`.
+
+Example:
+    monitor = TensorStatsMonitor(("min", "max", "norm"), eps=1e-8, on_host=True)
+    monitor.record("grad_reduced", [("fc1.weight", grad)])
+    records = monitor.collect(step=1)   # [TensorStatsRecord(kind="grad_reduced", name="fc1.weight", ...)]
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import math
+
+import numpy as np
+
+from ..engine import Monitor
+from ..records import Record
+from ..stats import _host_array, _squared_norm
+
+_SUM_BLOCK = 1 << 16
+
+OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
+
+# The collection points, in the order msprobe documents its CSV prefixes.
+PARAM_ORIGIN = "param_origin"        # parameters before the optimizer update
+PARAM_UPDATED = "param_updated"      # parameters after the update
+GRAD_UNREDUCED = "grad_unreduced"    # gradients before the data-parallel reduction
+GRAD_REDUCED = "grad_reduced"        # gradients the optimizer gets
+EXP_AVG = "exp_avg"                  # Adam's first moment, before the update
+EXP_AVG_SQ = "exp_avg_sq"            # Adam's second moment, before the update
+POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EXP_AVG_SQ)
+
+
+@dataclass(frozen=True)
+class TensorStatsRecord(Record):
+    """A Record whose value is a list of statistics, one per entry of `ops`, of a tensor of `shape`/`dtype`."""
+
+    ops: Tuple[str, ...] = ()
+    shape: Tuple[int, ...] = ()
+    dtype: str = ""
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        out.update(ops=list(self.ops), shape=list(self.shape), dtype=self.dtype)
+        return out
+
+    def stat(self, op: str) -> float:
+        return self.value[self.ops.index(op)]
+
+
+def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:
+    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order."""
+    size = flat.size
+    total = _sum(flat) if size and ("mean" in ops or "nans" in ops) else 0.0
+    out = []
+    for op in ops:
+        if op == "nans":
+            # A NaN makes the sum NaN, so a finite sum proves there is none without another pass.
+            out.append(0.0 if math.isfinite(total) or not size else float(np.count_nonzero(np.isnan(flat))))
+        elif op == "zeros":
+            out.append(float(np.count_nonzero(np.abs(flat) < eps)) / size if size else float("nan"))
+        elif op == "norm":
+            out.append(_norm(flat))
+        elif op == "id":
+            out.append(float(flat[0]) if scalar else float("nan"))
+        elif not size:
+            out.append(float("nan"))
+        elif op == "min":
+            out.append(float(np.min(flat)))  # numpy's min/max propagate NaN
+        elif op == "max":
+            out.append(float(np.max(flat)))
+        elif op == "mean":
+            out.append(total / size)
+    return out
+
+
+def _sum(flat: np.ndarray) -> float:
+    """Sum of the elements: a float32 array in blocks of 65536 (numpy's pairwise summation inside a block,
+    relative error about 1e-7), the blocks added in float64; other dtypes summed in float64."""
+    if flat.dtype == np.float32:
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = sum(float(np.sum(flat[start:start + _SUM_BLOCK])) for start in range(0, flat.size, _SUM_BLOCK))
+        if math.isfinite(total):
+            return total
+    # Other dtypes, and float32 blocks that overflowed (or hold inf/NaN, which stay what they are).
+    return float(np.sum(flat, dtype=np.float64))
+
+
+def _norm(flat: np.ndarray) -> float:
+    """L2 norm; float32 squares that overflow are summed again in float64 (inf/NaN data stay what they are)."""
+    squared = _squared_norm(flat)
+    if not math.isfinite(squared) and flat.dtype != np.float64:
+        flat64 = flat.astype(np.float64)
+        squared = float(np.dot(flat64, flat64))
+    return math.sqrt(squared) if not math.isnan(squared) else float("nan")
+
+
+def device_stats(tensor, ops: Sequence[str], eps: float):
+    """The statistics of one tensor as a 1-D float32 device tensor, in `ops` order; nothing is read back.
+    MindSpore's min/max skip NaN, so a tensor holding one gets NaN explicitly, as numpy gives."""
+    from mindspore import mint, ops as msops
+    import mindspore as ms
+
+    flat = (tensor if tensor.dtype == ms.float32 else tensor.astype(ms.float32)).reshape(-1)
+    size = max(int(flat.shape[0]), 1)
+    if {"nans", "min", "max"} & set(ops):
+        nan_count = msops.isnan(flat).astype(ms.float32).sum()
+        poison = mint.sqrt(-nan_count)   # sqrt(-0) = 0, sqrt(-n) = NaN: two dispatches, no host read
+    values = []
+    for op in ops:
+        if op == "nans":
+            values.append(nan_count)
+        elif op == "zeros":
+            values.append((mint.abs(flat) < eps).astype(ms.float32).sum() / size)
+        elif op == "norm":
+            values.append(mint.sqrt(mint.sum(mint.square(flat))))
+        elif op == "id":
+            values.append(flat[0] if not tensor.shape else msops.fill(ms.float32, (), float("nan")))
+        elif op == "min":
+            values.append(flat.min() + poison)
+        elif op == "max":
+            values.append(flat.max() + poison)
+        elif op == "mean":
+            values.append(flat.mean())
+    return msops.stack(values)
+
+
+class HostTensor:
+    """An array already in host memory, standing for a tensor of MindSpore dtype `dtype` (e.g. a sum of
+    gradients kept in float64 numpy)."""
+
+    def __init__(self, array: np.ndarray, dtype: str):
+        self.array = array
+        self.dtype = dtype
+        self.shape = array.shape
+
+    def asnumpy(self) -> np.ndarray:
+        return self.array
+
+
+def describe(tensor) -> Tuple[Tuple[int, ...], str]:
+    """Shape and dtype as msprobe prints them: `(16, 8)`, `Float32`."""
+    return tuple(int(d) for d in tensor.shape), str(tensor.dtype)
+
+
+class TensorStats:
+    """Statistics of named tensors, gathered per (point, micro_step); read with `results()`."""
+
+    def __init__(self, ops: Sequence[str], eps: float, on_host: bool):
+        self.ops = tuple(ops)
+        self.eps = eps
+        self.on_host = on_host
+        self._pending: List[Tuple[str, Optional[int], List[str], List[tuple], object]] = []
+
+    def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
+        if not named_tensors:
+            return
+        names = [name for name, _ in named_tensors]
+        layouts = [describe(t) for _, t in named_tensors]
+        if self.on_host:
+            values = np.array([numpy_stats(_host_array(t), self.ops, self.eps, not t.shape) for _, t in named_tensors],
+                              dtype=np.float64)
+        else:
+            from mindspore import ops as msops
+
+            values = msops.stack([device_stats(t, self.ops, self.eps) for _, t in named_tensors])
+        self._pending.append((point, micro_step, names, layouts, values))
+
+    def results(self) -> List[Tuple[str, Optional[int], List[str], List[tuple], np.ndarray]]:
+        """Everything gathered, statistics as float64 arrays [tensors, ops]; one host transfer at most."""
+        device = [entry[4] for entry in self._pending if not isinstance(entry[4], np.ndarray)]
+        if device:
+            from mindspore import ops as msops
+
+            host = iter(np.split(msops.concat(device).asnumpy().astype(np.float64),
+                                 np.cumsum([int(v.shape[0]) for v in device])[:-1]))
+        out = []
+        for point, micro_step, names, layouts, values in self._pending:
+            out.append((point, micro_step, names, layouts,
+                        values if isinstance(values, np.ndarray) else next(host)))
+        return out
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+class TensorStatsMonitor(Monitor):
+    """The engine's view of `TensorStats`: `record(point, named_tensors, {"micro_step": k})` for each
+    point in `POINTS`, `collect(step)` returns one TensorStatsRecord per tensor and point."""
+
+    KEYS = POINTS
+
+    def __init__(self, ops: Sequence[str], eps: float = 1e-8, on_host: Optional[bool] = None, rank: int = 0):
+        if on_host is None:
+            from ..stats import host_is_device
+
+            on_host = host_is_device()
+        self.rank = rank
+        self.stats = TensorStats(ops, eps, on_host)
+
+    @property
+    def ops(self) -> Tuple[str, ...]:
+        return self.stats.ops
+
+    @ops.setter
+    def ops(self, ops: Sequence[str]) -> None:
+        """Takes effect for what is recorded from now on (msprobe lets users change `ops` while training)."""
+        self.stats.ops = tuple(ops)
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+    def record(self, key: str, value=None, context: Optional[Dict] = None) -> None:
+        self.stats.add(key, value, (context or {}).get("micro_step"))
+
+    def collect(self, step: int) -> List[Record]:
+        records = []
+        for point, micro_step, names, layouts, values in self.stats.results():
+            for name, (shape, dtype), row in zip(names, layouts, values):
+                records.append(TensorStatsRecord(step, micro_step, self.rank, point, name,
+                                                 [float(v) for v in row], ops=self.ops, shape=shape, dtype=dtype))
+        self.reset()
+        return records
+
+    def close(self) -> None:
+        self.reset()

@@ -1,0 +1,63 @@
+"""The micro-batch gradients of one step, from the parameters' gradient hooks.
+
+`grad_unreduced` is at global-batch granularity: the sum of every micro-batch gradient a parameter's
+hook saw in the step (the gradient before any data-parallel reduction). On CPU the sum is kept in
+float64 numpy (no kernel dispatch per hook); elsewhere it stays on the device.
+"""
+import logging
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+
+from ..monitors.tensor_stats import HostTensor, describe
+from ..stats import _host_array
+
+logger = logging.getLogger("mindmon")
+
+
+class GradientSums:
+    """`add(index, name, grad)` from a hook; `named_sums()` at the optimizer call. With `per_micro_batch`
+    nothing is summed: each gradient goes to `on_micro_gradient(name, grad, micro_step)` as it comes."""
+
+    def __init__(self, on_host: bool, per_micro_batch: bool, on_micro_gradient: Callable):
+        self.on_host = on_host
+        self.per_micro_batch = per_micro_batch
+        self.on_micro_gradient = on_micro_gradient
+        self._counts: Dict[int, int] = {}
+        self._sums: Dict[int, Tuple[str, object]] = {}
+        self._warned = False
+
+    def add(self, index: int, name: str, grad) -> None:
+        micro_step = self._counts.get(index, 0)
+        self._counts[index] = micro_step + 1
+        if self.per_micro_batch:
+            self.on_micro_gradient(name, grad, micro_step)
+        elif self.on_host:
+            self._add_on_host(index, name, grad)
+        else:
+            previous = self._sums.get(index)
+            self._sums[index] = (name, grad if previous is None else previous[1] + grad)
+
+    def _add_on_host(self, index: int, name: str, grad) -> None:
+        if index in self._sums:
+            total = self._sums[index][1]
+            np.add(total.array, _host_array(grad).reshape(total.array.shape), out=total.array)
+        else:
+            shape, dtype = describe(grad)
+            array = _host_array(grad).astype(np.float64).reshape(shape)  # a copy: the hook's buffer may be reused
+            self._sums[index] = (name, HostTensor(array, dtype))
+
+    def named_sums(self) -> List[Tuple[str, object]]:
+        return [self._sums[index] for index in sorted(self._sums)]
+
+    def check_count(self, expected: int, step: int) -> None:
+        """Every hooked parameter should have seen `grad_acc_steps` micro-batch gradients; say once if not."""
+        counts = sorted(set(self._counts.values()))
+        if counts and counts != [expected] and not self._warned:
+            self._warned = True
+            logger.warning("mindmon: step %d: parameters got %s micro-batch gradients, grad_acc_steps is %d; "
+                           "grad_unreduced sums what came", step, counts, expected)
+
+    def clear(self) -> None:
+        self._counts.clear()
+        self._sums.clear()

@@ -1,0 +1,211 @@
+"""msprobe's monitor config.json: every key validated, with the same key names and defaults.
+
+The same parser serves the YAML route: `parse_tensor_stats(section, "monitor.tensor_stats")` takes the
+keys as a mapping (or the path of a config.json) and names errors by their full key path.
+
+Example:
+    config = load_config_json("./monitor_config.json")
+    config.ops            # ("min", "max", "mean", "norm")
+    config.collects(3)    # is optimizer step 3 (0-based) collected?
+"""
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Dict, Optional, Tuple
+
+from ..config import ConfigError, ConfigTypeError, _bool, _describe, _is_int, _type_error, _value_error
+from ..formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT
+from ..monitors.tensor_stats import OPS
+
+logger = logging.getLogger("mindmon")
+
+# Keys msprobe documents for capabilities mindmon's tensor statistics do not implement; they are accepted
+# (a config.json written for msprobe keeps working) and, when they ask for something, say what is missing.
+LATER_CAPABILITIES = {
+    "xy_distribution": "activation monitoring", "all_xy": "activation monitoring",
+    "forward_only": "activation monitoring", "backward_only": "activation monitoring",
+    "dynamic_on": "dynamic on/off", "alert": "alerts",
+    "l2_targets": "L2 interpretable features", "recording_l2_features": "L2 interpretable features",
+    "sa_order": "L2 interpretable features", "cc_distribution": "communication-operator monitoring",
+    "print_struct": "model-structure printing", "stack_info": "module stack capture",
+    "ur_distribution": "update/ratio heat maps", "mg_direction": "gradient/momentum direction",
+    "mg_distribution": "gradient/momentum direction",
+}
+_LATER_TYPES = {"alert": dict, "l2_targets": dict, "cc_distribution": dict, "sa_order": str}
+
+_DEFAULTS = {
+    "targets": {}, "param_distribution": False, "wg_distribution": False, "mv_distribution": False,
+    "monitor_mbs_grad": False, "ops": [], "eps": 1e-8, "ndigits": 6, "start_step": 0, "step_interval": 1,
+    "collect_times": 100000000, "module_ranks": [], "format": "csv", "step_count_per_record": 1,
+    "squash_name": False, "append_output": [], "significant_digits": False,
+}
+KEYS = tuple(_DEFAULTS) + tuple(LATER_CAPABILITIES)
+MAX_STEP_COUNT_PER_RECORD = 1000000
+ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
+
+
+@dataclass(frozen=True)
+class TensorStatsConfig:
+    """What to collect (weights, gradients, optimizer state), which statistics, when, and how to write them."""
+
+    targets: Tuple[str, ...] = ()           # module or parameter names; () = every parameter
+    param_distribution: bool = False        # param_origin (before the update) + param_updated (after)
+    wg_distribution: bool = False           # grad_unreduced + grad_reduced
+    mv_distribution: bool = False           # exp_avg + exp_avg_sq, before the update
+    monitor_mbs_grad: bool = False          # grad_unreduced per micro-batch instead of accumulated
+    ops: Tuple[str, ...] = ("norm",)
+    eps: float = 1e-8
+    ndigits: int = 6
+    start_step: int = 0
+    step_interval: int = 1
+    collect_times: int = 100000000
+    module_ranks: Tuple[int, ...] = ()      # () = every rank
+    format: str = "csv"
+    step_count_per_record: int = 1
+    squash_name: bool = False
+    append_output: Tuple[str, ...] = ()     # () or (first, last) run-folder timestamps to append to
+    significant_digits: bool = False        # mindmon's opt-in: ndigits counts significant digits
+    later: Dict[str, Any] = field(default_factory=dict)  # keys of later capabilities, as given
+
+    @property
+    def active(self) -> bool:
+        return self.param_distribution or self.wg_distribution or self.mv_distribution
+
+    def selects_rank(self, rank: int) -> bool:
+        return not self.module_ranks or rank in self.module_ranks
+
+    def collects(self, step: int) -> bool:
+        """Step (0-based optimizer step) is collected: from start_step, every step_interval, collect_times times."""
+        since = step - self.start_step
+        return since >= 0 and since % self.step_interval == 0 and since // self.step_interval < self.collect_times
+
+
+def load_config_json(path: str, key_path: str = "") -> TensorStatsConfig:
+    """Reads and validates an msprobe monitor config.json."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            raw = json.load(file)
+    except OSError as error:
+        raise ConfigError(f"{key_path or 'config_file_path'}: cannot read {path!r} ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{key_path or 'config_file_path'}: {path!r} is not valid JSON ({error})") from None
+    return parse_tensor_stats(raw, key_path)
+
+
+def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
+    """The keys of an msprobe config.json as a mapping (or a config.json path); errors name `path.key`."""
+    if isinstance(section, str):
+        return load_config_json(section, path)
+    if not isinstance(section, dict):
+        raise _type_error(path or "config", section, "a mapping of msprobe monitor keys or a config.json path")
+    unknown = [key for key in section if key not in KEYS]
+    if unknown:
+        raise ConfigError(f"{_key(path, unknown[0])}: unknown key; allowed keys: {list(KEYS)}")
+    raw = dict(_DEFAULTS, **{k: v for k, v in section.items() if k in _DEFAULTS})
+    later = {k: v for k, v in section.items() if k in LATER_CAPABILITIES}
+    _check_later(path, later)
+    flags = {key: _bool(_key(path, key), raw[key]) for key in
+             ("param_distribution", "wg_distribution", "mv_distribution", "monitor_mbs_grad",
+              "squash_name", "significant_digits")}
+    return TensorStatsConfig(
+        targets=_targets(_key(path, "targets"), raw["targets"]), ops=_ops(_key(path, "ops"), raw["ops"]),
+        eps=_positive_number(_key(path, "eps"), raw["eps"]),
+        ndigits=_int_in(_key(path, "ndigits"), raw["ndigits"], 0, 30),
+        start_step=_int_in(_key(path, "start_step"), raw["start_step"], 0, None),
+        step_interval=_int_in(_key(path, "step_interval"), raw["step_interval"], 1, None),
+        collect_times=_int_in(_key(path, "collect_times"), raw["collect_times"], 1, None),
+        module_ranks=_ranks(_key(path, "module_ranks"), raw["module_ranks"]),
+        format=_format(_key(path, "format"), raw["format"]),
+        step_count_per_record=_int_in(_key(path, "step_count_per_record"), raw["step_count_per_record"],
+                                      1, MAX_STEP_COUNT_PER_RECORD),
+        append_output=_append_output(_key(path, "append_output"), raw["append_output"]),
+        later=later, **flags)
+
+
+def _key(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _check_later(path: str, later: Dict[str, Any]) -> None:
+    """Type-checks keys of later capabilities, and says once which capability a key that asks for
+    something needs."""
+    needed: Dict[str, list] = {}
+    for key, value in later.items():
+        expected = _LATER_TYPES.get(key, bool)
+        if not isinstance(value, expected):
+            raise _type_error(_key(path, key), value, f"a {expected.__name__}")
+        if value:
+            needed.setdefault(LATER_CAPABILITIES[key], []).append(_key(path, key))
+    for capability, keys in needed.items():
+        logger.warning("mindmon: %s accepted but not acted on: it needs %s, which mindmon's tensor "
+                       "statistics do not provide yet", ", ".join(keys), capability)
+
+
+def _targets(path: str, value: Any) -> Tuple[str, ...]:
+    if not isinstance(value, dict):
+        raise _type_error(path, value, 'a mapping {"module or parameter name": {}}; {} = everything')
+    for name, spec in value.items():
+        if not isinstance(name, str):
+            raise _type_error(path, name, "module or parameter names (strings) as keys")
+        if not isinstance(spec, dict):
+            raise _type_error(f"{path}.{name}", spec, "a mapping ({} or activation input/output specs)")
+    return tuple(name for name in value if name != "")
+
+
+def _ops(path: str, value: Any) -> Tuple[str, ...]:
+    if not isinstance(value, list):
+        raise _type_error(path, value, f"a list of statistics from {list(OPS)}")
+    bad = [op for op in value if op not in OPS + ALWAYS_WRITTEN]
+    if bad:
+        raise _value_error(path, bad[0], f"statistics from {list(OPS)} (and {list(ALWAYS_WRITTEN)}, always written)")
+    # Duplicates dropped, config order kept; shape and dtype are columns of every file anyway.
+    ops = tuple(op for op in dict.fromkeys(value) if op not in ALWAYS_WRITTEN)
+    return ops or ("norm",)
+
+
+def _positive_number(path: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(path, value, "a positive number")
+    if not value > 0:
+        raise _value_error(path, value, "a positive number")
+    return float(value)
+
+
+def _int_in(path: str, value: Any, low: int, high: Optional[int]) -> int:
+    allowed = f"an int >= {low}" + (f" and <= {high}" if high is not None else "")
+    if not _is_int(value):
+        raise _type_error(path, value, allowed)
+    if value < low or (high is not None and value > high):
+        raise _value_error(path, value, allowed)
+    return value
+
+
+def _ranks(path: str, value: Any) -> Tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(r) and r >= 0 for r in value):
+        raise _type_error(path, value, "a list of rank numbers (ints >= 0); [] = every rank")
+    return tuple(value)
+
+
+def _format(path: str, value: Any) -> str:
+    if value != "csv":
+        raise (ConfigTypeError if not isinstance(value, str) else ConfigError)(
+            f"{path}: got {_describe(value)}; allowed: 'csv' (TensorBoard and JSONL output come from "
+            f"mindmon's own sinks)")
+    return value
+
+
+def _append_output(path: str, value: Any) -> Tuple[str, ...]:
+    allowed = f"[] or two run-folder timestamps like [\"Dec03_21-34-40\", \"Dec03_21-34-42\"]"
+    if not isinstance(value, list):
+        raise _type_error(path, value, allowed)
+    if len(value) not in (0, 2):
+        raise _value_error(path, value, allowed)
+    for stamp in value:
+        try:
+            datetime.strptime(stamp, RUN_FOLDER_TIME_FORMAT)
+        except (TypeError, ValueError):
+            raise _value_error(path, stamp, allowed) from None
+    return tuple(value)

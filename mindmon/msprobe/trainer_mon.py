@@ -1,0 +1,307 @@
+"""`TrainerMon`: msprobe's monitor API on mindmon's tensor statistics (weights, gradients, Adam state).
+
+Change one import line of an msprobe training script:
+
+    from mindmon.msprobe import TrainerMon          # was: from msprobe.mindspore import TrainerMon
+    monitor = TrainerMon("./monitor_config.json", params_have_main_grad=False)
+    monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
+
+What it hooks, on this optimizer instance and these parameters only (never a class):
+- every selected parameter's gradient hook (`wg_distribution`): the micro-batch gradients, summed
+  over the step into `grad_unreduced` (or one row per micro-batch with `monitor_mbs_grad`);
+- the optimizer cell's forward pre-hook: `param_origin`, `grad_reduced` (the gradients passed to the
+  call, else `main_grad`/`grad` of each parameter), `exp_avg`/`exp_avg_sq` before the update;
+- its forward hook: `param_updated`; then the step's records go to the CSV sink and the step count
+  (0-based, from `start_iteration`) moves on. One optimizer call = one step.
+"""
+import logging
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..config import ConfigError, _is_int
+from ..distributed import DataParallel
+from ..engine import RunInfo, Sink
+from ..monitors.tensor_stats import (EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN,
+                                     PARAM_UPDATED, TensorStatsMonitor, TensorStatsRecord)
+from ..sinks.csv import MsprobeCsvSink
+from ..stats import host_is_device
+from .accumulate import GradientSums
+from .config import TensorStatsConfig, _ops, load_config_json
+from .targets import find_moments, optimizer_parameters, select_parameters
+
+logger = logging.getLogger("mindmon")
+
+
+class TrainerMon:
+    """msprobe's `TrainerMon` (MindSpore flavour) for weights, gradients and optimizer state."""
+
+    def __init__(self, config_file_path: str, process_group=None, params_have_main_grad: bool = True,
+                 opt_ty=None):
+        if opt_ty is not None:
+            warnings.warn("TrainerMon(opt_ty=...) is deprecated and ignored: the optimizer type is read from "
+                          "the optimizer given to set_monitor", DeprecationWarning, stacklevel=2)
+        self._setup(load_config_json(config_file_path), [])
+        self.process_group = process_group
+        self.params_have_main_grad = params_have_main_grad
+
+    @classmethod
+    def from_config(cls, config: TensorStatsConfig, sinks: Sequence[Sink] = (), params_have_main_grad: bool = True
+                    ) -> "TrainerMon":
+        """A TrainerMon from an already parsed configuration (the YAML route), writing to the CSV sink and to
+        `sinks` (opened by the caller; they get every step's records and a flush)."""
+        monitor = cls.__new__(cls)
+        monitor._setup(config, list(sinks))
+        monitor.process_group = None
+        monitor.params_have_main_grad = params_have_main_grad
+        return monitor
+
+    def _setup(self, config: TensorStatsConfig, extra_sinks: List[Sink]) -> None:
+        self.config = config
+        self.extra_sinks = extra_sinks
+        self.rank = DataParallel().rank
+        self.on_host = host_is_device()
+        self.monitor: Optional[TensorStatsMonitor] = None
+        self.sink: Optional[MsprobeCsvSink] = None
+        self._ops = config.ops
+        self.step = 0
+        self._handles: List = []
+
+    # --- msprobe's public API -------------------------------------------------------------------------
+
+    @property
+    def ops(self) -> Tuple[str, ...]:
+        return self.monitor.ops if self.monitor is not None else self._ops
+
+    @ops.setter
+    def ops(self, ops: Sequence[str]) -> None:
+        warnings.warn("setting TrainerMon.ops while training is deprecated; rows of the current CSV file "
+                      "keep its header", DeprecationWarning, stacklevel=2)
+        ops = _ops("ops", list(ops))
+        self._ops = ops
+        if self.monitor is not None:
+            self.monitor.ops = ops
+
+    def set_monitor(self, model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None,
+                    start_iteration: int = 0) -> None:
+        """Attach to `model`'s parameters and this `optimizer` instance. Checks everything before training."""
+        for key, value, low in (("grad_acc_steps", grad_acc_steps, 1), ("start_iteration", start_iteration, 0)):
+            if not _is_int(value) or value < low:
+                raise ConfigError(f"{key}: got {value!r}; allowed: an int >= {low}")
+        if self.monitor is not None:
+            raise RuntimeError("set_monitor was already called on this TrainerMon; make one TrainerMon per run")
+        if not self.config.active or not self.config.selects_rank(self.rank):
+            logger.info("mindmon: TrainerMon collects nothing on rank %d (no *_distribution switched on, or the "
+                        "rank is not in module_ranks)", self.rank)
+            return
+        parameters = optimizer_parameters(optimizer)
+        self.grad_acc_steps = grad_acc_steps
+        self.parameters = parameters
+        self.selected = select_parameters(model, parameters, self.config.targets, self.config.squash_name)
+        self.moments = self._moments(optimizer, len(parameters))
+        self._keep_grads = _keeps_reduced_gradients(dp_group, tp_group, parameters, self.selected)
+        self.step = start_iteration
+        self.monitor = TensorStatsMonitor(self._ops, self.config.eps, self.on_host, self.rank)
+        self.sink = MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
+                                   self.config.significant_digits, self.config.append_output)
+        self._attach(optimizer)
+        self.sink.open(RunInfo(rank=self.rank, start_step=start_iteration))
+        logger.info("mindmon: TrainerMon writes %s for %d parameters to %s", self._points(),
+                    len(self.selected), self.sink.folder)
+
+    def set_wrapped_optimizer(self, optimizer) -> None:
+        warnings.warn("TrainerMon.set_wrapped_optimizer is deprecated: pass the optimizer to set_monitor",
+                      DeprecationWarning, stacklevel=2)
+        self._wrapped_optimizer = optimizer
+
+    def monitor_gnorm_with_ad(self, model, grad_acc_steps: int, optimizer=None, dp_group=None, tp_group=None,
+                              start_iteration: int = 0) -> None:
+        warnings.warn("TrainerMon.monitor_gnorm_with_ad is deprecated: use set_monitor", DeprecationWarning,
+                      stacklevel=2)
+        optimizer = optimizer if optimizer is not None else getattr(self, "_wrapped_optimizer", None)
+        if optimizer is None:
+            raise ConfigError("optimizer: got None; allowed: the optimizer, given here or to set_wrapped_optimizer")
+        self.set_monitor(model, grad_acc_steps, optimizer, dp_group, tp_group, start_iteration)
+
+    def generate_wgrad_metrics(self) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
+        """Statistics of the gradients now: (reduced, unreduced), each {parameter name: {op: value}}.
+        `reduced` reads each parameter's `main_grad`/`grad`; `unreduced` the micro-batch gradients summed
+        so far in the current step. Empty when gradients are not monitored."""
+        if self.monitor is None or not self.config.wg_distribution:
+            return {}, {}
+        probe = TensorStatsMonitor(self.monitor.ops, self.config.eps, self.on_host, self.rank)
+        probe.record(GRAD_REDUCED, [(name, grad) for _, name, grad in self._stored_gradients()])
+        probe.record(GRAD_UNREDUCED, self._sums.named_sums())
+        tables = {GRAD_REDUCED: {}, GRAD_UNREDUCED: {}}
+        for record in probe.collect(self.step + 1):
+            tables[record.kind][record.name] = dict(zip(record.ops, record.value))
+        return tables[GRAD_REDUCED], tables[GRAD_UNREDUCED]
+
+    def close(self) -> None:
+        """Detach every hook (the optimizer and the parameters are as before set_monitor)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.sink is not None:
+            self.sink.close()
+        for sink in self.extra_sinks:
+            sink.close()
+
+    # --- attaching ------------------------------------------------------------------------------------
+
+    def _moments(self, optimizer, count: int):
+        if not self.config.mv_distribution:
+            return None
+        moments = find_moments(optimizer, count)
+        if moments is None:
+            raise ConfigError(f"mv_distribution: got True, but the optimizer {type(optimizer).__name__} keeps no "
+                              f"Adam moments; allowed: an Adam-type optimizer (nn.Adam, nn.AdamWeightDecay, "
+                              f"mindspore.experimental.optim.Adam/AdamW, MindFormers AdamW) or "
+                              f"mv_distribution: false")
+        return moments
+
+    def _points(self) -> List[str]:
+        c = self.config
+        return ([PARAM_ORIGIN, PARAM_UPDATED] if c.param_distribution else []) + \
+            ([GRAD_UNREDUCED, GRAD_REDUCED] if c.wg_distribution else []) + \
+            ([EXP_AVG, EXP_AVG_SQ] if c.mv_distribution else [])
+
+    def _attach(self, optimizer) -> None:
+        self._collecting = self.config.collects(self.step)
+        self._sums = GradientSums(self.on_host, self.config.monitor_mbs_grad, self._record_micro_gradient)
+        # The optimizer first: it is the hook that can be refused, and then nothing is left attached.
+        self._handles += _hook_optimizer_calls(optimizer, self._before_update, self._after_update)
+        if self.config.wg_distribution:
+            for index, name in self.selected:
+                self._handles.append(self.parameters[index].register_hook(self._gradient_hook(index, name)))
+
+    def _gradient_hook(self, index: int, name: str):
+        def hook(grad):
+            if self._collecting:
+                self._guard(self._sums.add, index, name, grad)
+        return hook
+
+    def _record_micro_gradient(self, name: str, grad, micro_step: int) -> None:
+        self.monitor.record(GRAD_UNREDUCED, [(name, grad)], {"micro_step": micro_step})
+
+    # --- one step -------------------------------------------------------------------------------------
+
+    def _before_update(self, cell, inputs) -> None:
+        if self._collecting:
+            self._guard(self._record_before_update, inputs)
+
+    def _after_update(self, cell, inputs, output) -> None:
+        if self._collecting:
+            self._guard(self._finish_step)
+        self.step += 1
+        self._collecting = self.config.collects(self.step)
+        self._sums.clear()
+
+    def _record_before_update(self, inputs) -> None:
+        config, monitor = self.config, self.monitor
+        if config.param_distribution:
+            monitor.record(PARAM_ORIGIN, [(name, self.parameters[i]) for i, name in self.selected])
+        if config.wg_distribution:
+            monitor.record(GRAD_UNREDUCED, self._sums.named_sums())
+            monitor.record(GRAD_REDUCED, self._reduced_gradients(inputs))
+        if self.moments is not None:
+            first, second = self.moments
+            monitor.record(EXP_AVG, [(name, first[i]) for i, name in self.selected])
+            monitor.record(EXP_AVG_SQ, [(name, second[i]) for i, name in self.selected])
+
+    def _finish_step(self) -> None:
+        if self.config.param_distribution:
+            self.monitor.record(PARAM_UPDATED, [(name, self.parameters[i]) for i, name in self.selected])
+        self._sums.check_count(self.grad_acc_steps, self.step)
+        records = self.monitor.collect(self.step + 1)  # records count steps from 1; the CSV writes step 0
+        for sink in [self.sink] + self.extra_sinks:
+            try:
+                sink.write(records)
+                sink.flush()
+            except Exception as error:  # noqa: BLE001 - one sink failing stops neither the others nor training
+                self._warn_once(id(sink), "mindmon: %s failed at step %d (its later failures are not logged): "
+                                "%s: %s", type(sink).__name__, self.step, type(error).__name__, error)
+
+    def _reduced_gradients(self, inputs) -> List[tuple]:
+        """The gradients the optimizer gets: the tuple passed to its call, else each parameter's
+        `main_grad` (when params_have_main_grad) or `grad`."""
+        passed = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) else None
+        if passed is not None and len(passed) == len(self.parameters):
+            return [(name, passed[i]) for i, name in self.selected if self._keep_grads[i]]
+        return [(name, grad) for i, name, grad in self._stored_gradients() if self._keep_grads[i]]
+
+    def _stored_gradients(self) -> List[tuple]:
+        """(index, name, gradient) of the selected parameters that hold one in `main_grad`/`grad`."""
+        found, missing = [], []
+        for index, name in self.selected:
+            param = self.parameters[index]
+            grad = getattr(param, "main_grad", None) if self.params_have_main_grad else None
+            grad = grad if grad is not None else getattr(param, "grad", None)
+            (found if grad is not None else missing).append((index, name, grad))
+        if missing:
+            self._warn_once("missing_grad", "mindmon: no gradient for %s: neither passed to the optimizer call nor "
+                            "in main_grad/grad; their grad_reduced rows are left out", [n for _, n, _ in missing])
+        return found
+
+    # --- failures -------------------------------------------------------------------------------------
+
+    def _guard(self, function, *args) -> None:
+        """A monitoring failure is logged once and training goes on; what was written stays."""
+        try:
+            function(*args)
+        except Exception as error:  # noqa: BLE001 - the training must not die of its monitor
+            self._warn_once("failure", "mindmon: TrainerMon failed at step %d and collects no more in this step: "
+                            "%s: %s", self.step, type(error).__name__, error)
+            self._collecting = False
+            self.monitor.reset()
+
+    def _warn_once(self, key, message: str, *args) -> None:
+        warned = self.__dict__.setdefault("_warned", set())
+        if key not in warned:
+            warned.add(key)
+            logger.warning(message, *args)
+
+
+def _hook_optimizer_calls(optimizer, before, after) -> List:
+    """Hooks on this optimizer instance only: a Cell's forward pre-hook and hook, or, for a plain object
+    with `step()` (a Megatron-style wrapper), an instance attribute `step` wrapping the bound method.
+    Returns handles whose `remove()` detaches."""
+    if hasattr(optimizer, "register_forward_pre_hook"):
+        return [optimizer.register_forward_pre_hook(before), optimizer.register_forward_hook(after)]
+    if callable(getattr(optimizer, "step", None)):
+        return [_WrappedStep(optimizer, before, after)]
+    raise ConfigError(f"optimizer: got {type(optimizer).__name__}; allowed: a MindSpore optimizer Cell, or an "
+                      f"object whose step() runs the update")
+
+
+class _WrappedStep:
+    """`optimizer.step` replaced on the instance (never on its class) by one that calls the hooks around it."""
+
+    def __init__(self, optimizer, before, after):
+        self.optimizer = optimizer
+        self.had_own = "step" in vars(optimizer)
+        self.original = optimizer.step
+
+        def step(*args, **kwargs):
+            before(optimizer, args)
+            output = self.original(*args, **kwargs)
+            after(optimizer, args, output)
+            return output
+
+        optimizer.step = step
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.optimizer.step = self.original
+        else:
+            del self.optimizer.step
+
+
+def _keeps_reduced_gradients(dp_group, tp_group, parameters: Sequence, selected: Sequence[Tuple[int, str]]
+                             ) -> Dict[int, bool]:
+    """Per parameter index: is this rank's grad_reduced row kept? After the data-parallel reduction every
+    rank of `dp_group` holds the same gradients, so only its first rank writes them; in `tp_group` the
+    parameters not split across ranks (no `tensor_model_parallel` attribute) are written by its first rank."""
+    first_in_dp = dp_group is None or DataParallel(dp_group).rank == 0
+    first_in_tp = tp_group is None or DataParallel(tp_group).rank == 0
+    return {i: first_in_dp and (first_in_tp or bool(getattr(parameters[i], "tensor_model_parallel", False)))
+            for i, _ in selected}

@@ -1,0 +1,85 @@
+"""msprobe's CSV layout: written and read back by one module; rows always as long as their header."""
+import csv
+import logging
+import os
+
+import pytest
+
+from mindmon.engine import RunInfo
+from mindmon.formats import msprobe_csv as fmt
+from mindmon.monitors.tensor_stats import TensorStatsRecord
+from mindmon.sinks.csv import MsprobeCsvSink
+
+
+def record(step, name, values, ops=("min", "norm"), micro_step=None, kind="grad_reduced"):
+    return TensorStatsRecord(step, micro_step, 0, kind, name, list(values), ops=ops, shape=(2, 3), dtype="Float32")
+
+
+def table(path):
+    with open(path, newline="") as file:
+        return list(csv.reader(file))
+
+
+def test_files_per_record_and_round_trip(tmp_path):
+    sink = MsprobeCsvSink(str(tmp_path), ndigits=4, step_count_per_record=2)
+    sink.open(RunInfo(rank=3))
+    for step in (1, 2, 3):   # CSV steps 0, 1, 2
+        sink.write([record(step, "fc1.weight", [-0.123456, 2.5 * step])])
+        sink.flush()
+    assert os.path.basename(sink.folder).split("-rank")[1].startswith("3-")
+    assert sorted(os.listdir(sink.folder)) == ["grad_reduced_0-1.csv", "grad_reduced_2-3.csv"]
+    rows = table(os.path.join(sink.folder, "grad_reduced_0-1.csv"))
+    assert rows == [["vpp_stage", "name", "step", "min", "norm", "shape", "dtype"],
+                    ["0", "fc1.weight", "0", "-0.1235", "2.5", "(2, 3)", "Float32"],
+                    ["0", "fc1.weight", "1", "-0.1235", "5.0", "(2, 3)", "Float32"]]
+    back = fmt.read_csv(os.path.join(sink.folder, "grad_reduced_2-3.csv"))
+    assert back == [TensorStatsRecord(3, None, 0, "grad_reduced", "fc1.weight", [-0.1235, 7.5], ops=("min", "norm"),
+                                      shape=(2, 3), dtype="Float32")]
+
+
+def test_micro_step_column_and_alignment(tmp_path, caplog):
+    sink = MsprobeCsvSink(str(tmp_path), ndigits=6)
+    sink.open(RunInfo())
+    sink.write([record(1, "w", [1, 2], micro_step=0, kind="grad_unreduced"),
+                record(1, "w", [3, 4], micro_step=1, kind="grad_unreduced")])
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        sink.write([record(1, "w", [5, 6, 7], ops=("max", "min", "norm"), micro_step=2, kind="grad_unreduced")])
+    rows = table(os.path.join(sink.folder, "grad_unreduced_0-0.csv"))
+    assert rows[0] == ["vpp_stage", "name", "step", "micro_step", "min", "norm", "shape", "dtype"]
+    assert rows[1][:6] == ["0", "w", "0", "0", "1.0", "2.0"] and rows[3][:6] == ["0", "w", "0", "2", "6.0", "7.0"]
+    assert all(len(row) == len(rows[0]) for row in rows)
+    assert len(caplog.records) == 1 and "max" in caplog.records[0].getMessage()
+
+
+def test_rounding_and_significant_digits():
+    assert fmt.format_value(1.23456789e-10, 6) == "0.0"
+    assert fmt.format_value(1.23456789e-10, 6, significant=True) == "1.23457e-10"
+    assert fmt.format_value(float("nan"), 6) == "nan" and fmt.format_value(float("-inf"), 6) == "-inf"
+    assert fmt.format_value(3.0, 6) == "3.0"
+
+
+def test_append_output_continues_a_run_folder(tmp_path):
+    first = MsprobeCsvSink(str(tmp_path))
+    first.open(RunInfo(rank=0))
+    first.write([record(1, "w", [1, 2])])
+    stamp = os.path.basename(first.folder).split("-rank")[0]
+    other_rank = MsprobeCsvSink(str(tmp_path))
+    other_rank.open(RunInfo(rank=1))
+    resumed = MsprobeCsvSink(str(tmp_path), append_output=(stamp, stamp))
+    resumed.open(RunInfo(rank=0, start_step=1))
+    assert resumed.folder == first.folder
+    resumed.write([record(1, "w", [3, 4])])
+    rows = table(os.path.join(first.folder, "grad_reduced_0-0.csv"))
+    assert [row[3] for row in rows] == ["min", "1.0", "3.0"]   # one header, rows appended
+
+
+def test_output_root_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    assert fmt.output_root() == str(tmp_path / "out")
+    monkeypatch.delenv("MONITOR_OUTPUT_DIR")
+    assert fmt.output_root() == "./monitor_output"
+
+
+def test_read_csv_rejects_other_files(tmp_path):
+    with pytest.raises(ValueError, match="not a <prefix>_<start>-<end>.csv"):
+        fmt.read_csv(str(tmp_path / "metrics.csv"))

@@ -1,0 +1,72 @@
+"""The statistics engine alone: NaN/Inf kept, bfloat16, both paths (numpy on CPU, device ops) against numpy."""
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from mindmon.monitors.tensor_stats import OPS, TensorStatsMonitor
+from msprobe_reference import statistic
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+def test_nan_and_inf_are_recorded_not_dropped(on_host):
+    data = np.array([[1.0, np.nan, -3.0], [0.0, 5e-9, np.inf]], np.float32)
+    monitor = TensorStatsMonitor(OPS, eps=1e-8, on_host=on_host)
+    monitor.record("grad_reduced", [("w", ms.Tensor(data))])
+    (record,) = monitor.collect(1)
+    stats = dict(zip(record.ops, record.value))
+    assert all(math.isnan(stats[op]) for op in ("min", "max", "mean", "norm")), stats
+    assert stats["nans"] == 1 and math.isclose(stats["zeros"], 2 / 6, rel_tol=1e-6)
+    monitor.record("grad_reduced", [("w", ms.Tensor(np.array([1.0, -np.inf], np.float32)))])
+    (record,) = monitor.collect(2)
+    assert record.value[:4] == [-math.inf, 1.0, -math.inf, math.inf]
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+@pytest.mark.parametrize("dtype", [ms.float32, ms.bfloat16, ms.float16], ids=str)
+def test_many_tensors_match_float64_numpy(on_host, dtype):
+    rng = np.random.default_rng(7)
+    arrays = [rng.normal(0, 1, (64, 96)).astype(np.float32), rng.normal(3, 0.01, (5000,)).astype(np.float32),
+              np.where(rng.random((7, 3)) < 0.5, 0, 1e-3).astype(np.float32)]
+    tensors = [ms.Tensor(a).astype(dtype) for a in arrays]
+    ops = ("nans", "norm", "mean", "zeros", "max", "min")   # any order: values follow it
+    monitor = TensorStatsMonitor(ops, eps=1e-6, on_host=on_host)
+    monitor.record("param_origin", [(f"t{i}", t) for i, t in enumerate(tensors)])
+    records = monitor.collect(1)
+    assert [r.name for r in records] == ["t0", "t1", "t2"] and records[0].shape == (64, 96)
+    assert records[0].dtype == str(dtype)
+    for record, tensor in zip(records, tensors):
+        values = tensor.astype(ms.float32).asnumpy()   # what the low-precision tensor holds, exactly
+        for op, value in zip(record.ops, record.value):
+            expected = statistic(values, op, 1e-6)
+            scale = np.abs(values).max() if op == "mean" else abs(expected)
+            assert abs(value - expected) <= 2e-6 * scale + 1e-12, (op, value, expected)
+
+
+def test_ops_change_takes_effect_for_later_records():
+    monitor = TensorStatsMonitor(("min",), on_host=True)
+    monitor.ops = ["max", "nans"]
+    monitor.record("exp_avg", [("w", ms.Tensor(np.array([1.0, 2.0], np.float32)))], {"micro_step": 1})
+    (record,) = monitor.collect(4)
+    assert (record.ops, record.value, record.micro_step, record.step) == (("max", "nans"), [2.0, 0.0], 1, 4)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+def test_id_is_the_value_of_a_scalar(on_host):
+    monitor = TensorStatsMonitor(("id", "max"), on_host=on_host)
+    monitor.record("param_origin", [("scale", ms.Tensor(np.float32(2.5))), ("w", ms.Tensor(np.ones(3, np.float32)))])
+    scalar, vector = monitor.collect(1)
+    assert scalar.value == [2.5, 2.5] and scalar.shape == ()
+    assert math.isnan(vector.value[0]) and vector.value[1] == 1.0
+
+
+def test_huge_float32_values_do_not_overflow(recwarn):
+    data = np.full(70000, 3e38, np.float32)   # any float32 partial sum of two of them overflows
+    monitor = TensorStatsMonitor(("mean", "nans", "norm"), on_host=True)
+    monitor.record("param_origin", [("w", ms.Tensor(data))])
+    (record,) = monitor.collect(1)
+    value = float(np.float32(3e38))
+    assert math.isclose(record.value[0], value, rel_tol=1e-7) and record.value[1] == 0.0
+    assert math.isclose(record.value[2], value * math.sqrt(70000), rel_tol=1e-7)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
