@@ -9,6 +9,7 @@ Example:
 """
 import math
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -254,15 +255,25 @@ class MonitorConfig:
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     ranks: Optional[Tuple[int, ...]] = None
     data_parallel_group: Optional[str] = None
+    tensor_stats: Any = None   # mindmon.msprobe.config.TensorStatsConfig, or None when the key is absent
+    alert: Any = None          # mindmon.alerts.config.AlertConfig, or None when the key is absent
 
-    KEYS = ("train_state", "moe_monitor", "output_dir", "ranks", "data_parallel_group")
+    KEYS = ("train_state", "moe_monitor", "output_dir", "ranks", "data_parallel_group", "tensor_stats", "alert")
 
     def selects_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
 
     @property
     def active(self) -> bool:
-        return self.train_state.active or self.moe_monitor.active
+        return self.train_state.active or self.moe_monitor.active or self.collects_tensor_stats
+
+    @property
+    def collects_tensor_stats(self) -> bool:
+        return self.tensor_stats is not None and self.tensor_stats.active
+
+    @property
+    def alerts(self) -> bool:
+        return self.alert is not None and self.alert.active
 
     @classmethod
     def parse(cls, section: Any, path: str = "monitor") -> "MonitorConfig":
@@ -276,13 +287,34 @@ class MonitorConfig:
                    MoEMonitorConfig.parse(f"{path}.moe_monitor", section.get("moe_monitor")),
                    output_dir,
                    TensorBoardConfig.parse(f"{path}.tensorboard", section.get("tensorboard")),
-                   parse_ranks(f"{path}.ranks", section.get("ranks")), group)
+                   parse_ranks(f"{path}.ranks", section.get("ranks")), group,
+                   *_parse_engine_sections(section, path))
 
     def to_dict(self) -> dict:
-        return {"train_state": self.train_state.to_dict(), "moe_monitor": self.moe_monitor.to_dict(),
-                "output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
-                "ranks": list(self.ranks) if self.ranks is not None else None,
-                "data_parallel_group": self.data_parallel_group}
+        out = {"train_state": self.train_state.to_dict(), "moe_monitor": self.moe_monitor.to_dict(),
+               "output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
+               "ranks": list(self.ranks) if self.ranks is not None else None,
+               "data_parallel_group": self.data_parallel_group}
+        if self.tensor_stats is not None:
+            out["tensor_stats"] = {k: v for k, v in dataclasses.asdict(self.tensor_stats).items() if k != "later"}
+        if self.alert is not None:
+            out["alert"] = self.alert.to_dict()
+        return out
+
+
+def _parse_engine_sections(section: dict, path: str) -> tuple:
+    """`tensor_stats` (msprobe's config.json keys, or the path of such a file) and `alert`; their
+    parsers live with their features and are imported only when the key is there."""
+    tensor_stats = alert = None
+    if section.get("tensor_stats") is not None:
+        from .msprobe.config import parse_tensor_stats
+
+        tensor_stats = parse_tensor_stats(section["tensor_stats"], f"{path}.tensor_stats")
+    if section.get("alert") is not None:
+        from .alerts.config import AlertConfig
+
+        alert = AlertConfig.parse(f"{path}.alert", section["alert"])
+    return tensor_stats, alert
 
 
 def parse_ranks(path: str, ranks: Any) -> Optional[Tuple[int, ...]]:

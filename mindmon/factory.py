@@ -7,6 +7,7 @@ Example (a plain loop; docs/plain-loop.md):
     group = build_group(config, model=net, parameter_names=[p.name for p in optimizer.parameters])
 """
 import logging
+import os
 from typing import List, Optional, Sequence, Union
 
 from .config import ConfigError, MindmonConfig, MonitorConfig
@@ -15,6 +16,7 @@ from .engine import Monitor, Sink
 from .group import MonitorGroup
 
 MAX_LOGITS_CALLBACK = "MaxLogitsMonitor"
+TENSOR_STATS_FOLDER = "tensor_stats"   # msprobe's CSV run folders go under <output_dir>/tensor_stats/
 
 
 class _RankTagged(logging.LoggerAdapter):
@@ -52,13 +54,18 @@ def build_monitors(config: MonitorConfig, model, parameter_names: Sequence[str],
             raise ConfigError("monitor.moe_monitor: save_tokens_per_expert_interval is set but no model was "
                               "given; pass model= so its MoE layers can be found")
         monitors.append(MoETokensMonitor(config.moe_monitor, model, rank, on_host, logger, cross_rank))
+    if config.collects_tensor_stats and config.tensor_stats.selects_rank(rank):
+        from .monitors.tensor_stats import TensorStatsMonitor
+
+        monitors.append(TensorStatsMonitor(config.tensor_stats.ops, config.tensor_stats.eps, on_host, rank))
     if max_logits_every is not None and model is not None:
         monitors.append(MaxAttentionLogitMonitor(model, max_logits_every, rank,
                                                  data_parallel if cross_rank else None, logger))
     return monitors
 
 
-def build_sinks(config: MonitorConfig, logger) -> List[Sink]:
+def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Optional[DataParallel] = None):
+    """(sinks, alert actions or None)."""
     from .sinks import JsonlSink, LogSink, MegatronTokensPerExpertSink
 
     sinks: List[Sink] = [LogSink(logger), JsonlSink(config.output_dir)]
@@ -70,7 +77,19 @@ def build_sinks(config: MonitorConfig, logger) -> List[Sink]:
                                      tensorboard.tensorboard_queue_size))
     if config.moe_monitor.active:
         sinks.append(MegatronTokensPerExpertSink(config.output_dir))
-    return sinks
+    if config.collects_tensor_stats:
+        from .sinks.csv import MsprobeCsvSink
+
+        stats = config.tensor_stats
+        sinks.append(MsprobeCsvSink(os.path.join(config.output_dir, TENSOR_STATS_FOLDER), stats.ndigits,
+                                    stats.step_count_per_record, stats.significant_digits, stats.append_output))
+    actions = None
+    if config.alerts:
+        from .alerts.sink import build_alert_sink
+
+        alert_sink, actions = build_alert_sink(config.alert, config.output_dir, rank, logger, data_parallel)
+        sinks.append(alert_sink)
+    return sinks, actions
 
 
 def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, parameter_names: Sequence[str] = (),
@@ -90,7 +109,8 @@ def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, paramet
     if monitor.selects_rank(rank):
         on_host = host_is_device() if on_host is None and (monitor.active or every) else on_host
         monitors = build_monitors(monitor, model, parameter_names, rank, on_host, data_parallel, logger, every)
-    return MonitorGroup(monitors, build_sinks(monitor, logger), rank, logger)
+    sinks, actions = build_sinks(monitor, logger, rank, data_parallel)
+    return MonitorGroup(monitors, sinks, rank, logger, actions)
 
 
 def build_callbacks(group: MonitorGroup, config: Union[MindmonConfig, MonitorConfig]) -> list:

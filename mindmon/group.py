@@ -26,8 +26,9 @@ class MonitorGroup:
     """
 
     def __init__(self, monitors: Sequence[Monitor] = (), sinks: Sequence[Sink] = (), rank: int = 0,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, actions=None):
         self.monitors: List[Monitor] = list(monitors)
+        self.actions = actions   # the alert sink's opt-in actions (mindmon.alerts.actions), or None
         self.sinks: List[Sink] = list(sinks)
         self.rank = rank
         self.logger = logger or logging.getLogger("mindmon")
@@ -42,6 +43,11 @@ class MonitorGroup:
 
     def should_record(self, key: str) -> bool:
         return any(key in monitor.KEYS for monitor in self.monitors)
+
+    def should_stop(self) -> bool:
+        """After `flush(step)`: True when an alert asks to stop training (`stop_on_anomaly`), on every
+        rank at the same step. Every rank must ask at every step."""
+        return self.actions is not None and self.actions.should_stop()
 
     def setup(self, start_step: int = 0, global_batch_size: Optional[int] = None, max_steps: Optional[int] = None,
               micro_steps_per_step: Optional[int] = None) -> None:

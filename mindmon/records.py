@@ -1,7 +1,7 @@
 """The record that flows from a monitor to the sinks, and the kinds mindmon writes
 (docs/semantics.md defines each one)."""
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 # Kinds written by the train_state monitor.
 LOCAL_LOSS = "local_loss"      # loss of one micro-batch (not divided by K)
@@ -44,3 +44,21 @@ class Record:
     name: str
     value: Union[float, List[float]]
     iteration: Optional[int] = None  # global micro-step count, where upstream prints one (`iter`)
+
+
+@dataclass(frozen=True)
+class TensorStatsRecord(Record):
+    """A tensor's statistics at one collection point (`kind`: param_origin, grad_reduced, exp_avg, ...):
+    `value` holds one number per entry of `ops`; `shape` and `dtype` describe the tensor."""
+
+    ops: Tuple[str, ...] = ()
+    shape: Tuple[int, ...] = ()
+    dtype: str = ""
+
+    def stat(self, op: str) -> float:
+        return self.value[self.ops.index(op)]
+
+    def per_statistic(self) -> List[Record]:
+        """One plain record per statistic, named `<tensor>/<op>` (for consumers of scalars)."""
+        return [Record(self.step, self.micro_step, self.rank, self.kind, f"{self.name}/{op}", value)
+                for op, value in zip(self.ops, self.value)]

@@ -7,7 +7,7 @@ import pytest
 
 from mindmon.engine import RunInfo
 from mindmon.formats import msprobe_csv as fmt
-from mindmon.monitors.tensor_stats import TensorStatsRecord
+from mindmon.records import TensorStatsRecord
 from mindmon.sinks.csv import MsprobeCsvSink
 
 

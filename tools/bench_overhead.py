@@ -166,7 +166,7 @@ def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[d
     if host_sync_norms:   # the only difference from train_state: how the same squared norms are taken
         state = TrainStateMonitor(config.monitor.train_state, work.parameter_names, 0, True,
                                   norms=HostSyncPerParameterNorms())
-        return MonitorGroup([state], build_sinks(config.monitor, logger), 0, logger)
+        return MonitorGroup([state], build_sinks(config.monitor, logger)[0], 0, logger)
     return build_group(config, model=work.model, parameter_names=work.parameter_names, rank=0, logger=logger)
 
 

@@ -14,7 +14,7 @@ from collections import deque
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..engine import RunInfo, Sink
-from ..records import Record
+from ..records import Record, TensorStatsRecord
 from .actions import AlertActions
 from .anomaly import Anomaly
 from .config import AlertConfig
@@ -23,6 +23,15 @@ from .dump import AnomalyDump
 from .rules import Verdict, first_verdict, scalar_value, tag_and_statistic
 
 LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
+
+
+def _scalars(records: Sequence[Record]):
+    """Records as the rules read them: a tensor's statistics one by one (`<tensor>/<op>`)."""
+    for record in records:
+        if isinstance(record, TensorStatsRecord):
+            yield from record.per_statistic()
+        else:
+            yield record
 
 
 class AlertSink(Sink):
@@ -60,7 +69,7 @@ class AlertSink(Sink):
 
     def write(self, records: Sequence[Record]) -> None:
         found = []
-        for record in records:
+        for record in _scalars(records):
             self._calls += 1
             x = scalar_value(record.value)
             if x is None:

@@ -50,6 +50,8 @@ class MonitorCallback(TrainerCallback):
         except Exception:  # a value the trainer hands over in an unexpected shape must not stop training
             self.group.logger.exception("mindmon: could not record the step's loss/grad norm/lr; training goes on")
         self.group.flush(state.global_step)
+        if self.group.should_stop():   # an alert's stop_on_anomaly: the trainer's loop ends after this step
+            state.max_steps = state.global_step
 
     def on_train_end(self, args, state, **kwargs):
         self.group.close()

@@ -3,6 +3,8 @@
     {"step": 3, "micro_step": 1, "rank": 0, "kind": "local_loss", "name": "loss", "value": 2.5}
     {"step": 3, "micro_step": 1, "rank": 0, "kind": "tokens_per_expert", "name": "decoder.layers.1",
      "value": [5, 3, 4, 4], "iter": 9}
+    {"step": 3, "micro_step": null, "rank": 0, "kind": "grad_reduced", "name": "fc1.weight",
+     "value": [-0.53, 0.75, 1.34], "ops": ["min", "max", "norm"], "shape": [8, 4], "dtype": "Float32"}
 
 Non-finite numbers are not JSON: a NaN or infinite value is written as `null`, and the line says
 what it was in `nonfinite` ("nan", "inf", "-inf"; for a list, a mapping from element index to that
@@ -20,7 +22,7 @@ import os
 import sys
 from typing import List, Tuple
 
-from ..records import Record
+from ..records import Record, TensorStatsRecord
 from .layout import rank_dir, rank_in_path
 
 METRICS_FILE = "metrics.jsonl"
@@ -53,6 +55,8 @@ def encode(record: Record) -> str:
         out["nonfinite"] = nonfinite
     if record.iteration is not None:
         out["iter"] = record.iteration
+    if isinstance(record, TensorStatsRecord):
+        out.update(ops=list(record.ops), shape=list(record.shape), dtype=record.dtype)
     return json.dumps(out, allow_nan=False)
 
 
@@ -65,7 +69,11 @@ def decode(line: str) -> Record:
     elif isinstance(nonfinite, dict):
         value = [float(nonfinite[str(i)]) if str(i) in nonfinite else v for i, v in enumerate(value)]
     extra = {"iteration": row["iter"]} if "iter" in row else {}
-    return Record(row["step"], row["micro_step"], row["rank"], row["kind"], row["name"], value, **extra)
+    fields = (row["step"], row["micro_step"], row["rank"], row["kind"], row["name"], value)
+    if "ops" in row:
+        return TensorStatsRecord(*fields, **extra, ops=tuple(row["ops"]), shape=tuple(row["shape"]),
+                                 dtype=row["dtype"])
+    return Record(*fields, **extra)
 
 
 def metrics_files(run_dir: str) -> List[Tuple[int, str]]:

@@ -29,7 +29,7 @@ import uuid
 from datetime import datetime
 from typing import List, Optional, Sequence, Tuple
 
-from ..monitors.tensor_stats import TensorStatsRecord
+from ..records import TensorStatsRecord
 
 OUTPUT_DIR_ENV = "MONITOR_OUTPUT_DIR"
 DEFAULT_OUTPUT_ROOT = "./monitor_output"

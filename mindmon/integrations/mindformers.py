@@ -168,7 +168,21 @@ def _attach(trainer, config: MindmonConfig) -> None:
                         data_parallel=reduction)
     for callback in build_callbacks(group, config):
         trainer.callback_handler.add_callback(callback)
+    _feed_tensor_stats(trainer, config, group)
     trainer._mindmon = SimpleNamespace(config=config, group=group, data_parallel=reduction, train_step=None)
+
+
+def _feed_tensor_stats(trainer, config: MindmonConfig, group) -> None:
+    """`monitor.tensor_stats`: msprobe's parameter, gradient and optimizer-state hooks on this trainer's
+    model and optimizer, recording into the run's group (the gradients reach the optimizer as its
+    call's argument, which is where `grad_reduced` is read)."""
+    from ..monitors.tensor_stats import TensorStatsMonitor
+    from ..msprobe import TrainerMon
+
+    if not any(isinstance(m, TensorStatsMonitor) for m in group.monitors) or trainer.optimizer is None:
+        return
+    feeder = TrainerMon.feeding(config.monitor.tensor_stats, group, params_have_main_grad=False)
+    feeder.set_monitor(trainer.model, trainer.num_accumulation_steps, trainer.optimizer)
 
 
 def _is_muon(optimizer) -> bool:

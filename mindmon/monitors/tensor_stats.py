@@ -22,7 +22,6 @@ Example:
     monitor.record("grad_reduced", [("fc1.weight", grad)])
     records = monitor.collect(step=1)   # [TensorStatsRecord(kind="grad_reduced", name="fc1.weight", ...)]
 """
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import math
@@ -30,7 +29,7 @@ import math
 import numpy as np
 
 from ..engine import Monitor
-from ..records import Record
+from ..records import Record, TensorStatsRecord
 from ..stats import _host_array, _squared_norm
 
 _SUM_BLOCK = 1 << 16
@@ -45,23 +44,6 @@ GRAD_REDUCED = "grad_reduced"        # gradients the optimizer gets
 EXP_AVG = "exp_avg"                  # Adam's first moment, before the update
 EXP_AVG_SQ = "exp_avg_sq"            # Adam's second moment, before the update
 POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EXP_AVG_SQ)
-
-
-@dataclass(frozen=True)
-class TensorStatsRecord(Record):
-    """A Record whose value is a list of statistics, one per entry of `ops`, of a tensor of `shape`/`dtype`."""
-
-    ops: Tuple[str, ...] = ()
-    shape: Tuple[int, ...] = ()
-    dtype: str = ""
-
-    def to_json(self) -> dict:
-        out = super().to_json()
-        out.update(ops=list(self.ops), shape=list(self.shape), dtype=self.dtype)
-        return out
-
-    def stat(self, op: str) -> float:
-        return self.value[self.ops.index(op)]
 
 
 def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:

@@ -25,14 +25,14 @@ logger = logging.getLogger("mindmon")
 LATER_CAPABILITIES = {
     "xy_distribution": "activation monitoring", "all_xy": "activation monitoring",
     "forward_only": "activation monitoring", "backward_only": "activation monitoring",
-    "dynamic_on": "dynamic on/off", "alert": "alerts",
+    "dynamic_on": "dynamic on/off",
     "l2_targets": "L2 interpretable features", "recording_l2_features": "L2 interpretable features",
     "sa_order": "L2 interpretable features", "cc_distribution": "communication-operator monitoring",
     "print_struct": "model-structure printing", "stack_info": "module stack capture",
     "ur_distribution": "update/ratio heat maps", "mg_direction": "gradient/momentum direction",
     "mg_distribution": "gradient/momentum direction",
 }
-_LATER_TYPES = {"alert": dict, "l2_targets": dict, "cc_distribution": dict, "sa_order": str}
+_LATER_TYPES = {"l2_targets": dict, "cc_distribution": dict, "sa_order": str}
 
 _DEFAULTS = {
     "targets": {}, "param_distribution": False, "wg_distribution": False, "mv_distribution": False,
@@ -40,7 +40,7 @@ _DEFAULTS = {
     "collect_times": 100000000, "module_ranks": [], "format": "csv", "step_count_per_record": 1,
     "squash_name": False, "append_output": [], "significant_digits": False,
 }
-KEYS = tuple(_DEFAULTS) + tuple(LATER_CAPABILITIES)
+KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES)
 MAX_STEP_COUNT_PER_RECORD = 1000000
 ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
 
@@ -66,6 +66,7 @@ class TensorStatsConfig:
     squash_name: bool = False
     append_output: Tuple[str, ...] = ()     # () or (first, last) run-folder timestamps to append to
     significant_digits: bool = False        # mindmon's opt-in: ndigits counts significant digits
+    alert: Any = None                       # mindmon.alerts.config.AlertConfig of the `alert` block
     later: Dict[str, Any] = field(default_factory=dict)  # keys of later capabilities, as given
 
     @property
@@ -120,7 +121,15 @@ def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
         step_count_per_record=_int_in(_key(path, "step_count_per_record"), raw["step_count_per_record"],
                                       1, MAX_STEP_COUNT_PER_RECORD),
         append_output=_append_output(_key(path, "append_output"), raw["append_output"]),
-        later=later, **flags)
+        alert=_alert(path, section.get("alert")), later=later, **flags)
+
+
+def _alert(path: str, section: Any):
+    if section is None:
+        return None
+    from ..alerts.config import AlertConfig
+
+    return AlertConfig.parse(_key(path, "alert"), section)
 
 
 def _key(path: str, key: str) -> str:

@@ -11,8 +11,12 @@ What it hooks, on this optimizer instance and these parameters only (never a cla
   over the step into `grad_unreduced` (or one row per micro-batch with `monitor_mbs_grad`);
 - the optimizer cell's forward pre-hook: `param_origin`, `grad_reduced` (the gradients passed to the
   call, else `main_grad`/`grad` of each parameter), `exp_avg`/`exp_avg_sq` before the update;
-- its forward hook: `param_updated`; then the step's records go to the CSV sink and the step count
-  (0-based, from `start_iteration`) moves on. One optimizer call = one step.
+- its forward hook: `param_updated`; then the step's records go through a MonitorGroup to the CSV
+  sink (and the alert sink when config.json has an `alert` block) and the step count (0-based, from
+  `start_iteration`) moves on. One optimizer call = one step.
+
+From a MindFormers YAML (`monitor.tensor_stats`), `TrainerMon.feeding(config, group)` makes the same
+hooks record into the run's MonitorGroup, which the trainer flushes with every other record.
 """
 import logging
 import warnings
@@ -20,12 +24,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import ConfigError, _is_int
 from ..distributed import DataParallel
-from ..engine import RunInfo, Sink
+from ..engine import Sink
+from ..group import MonitorGroup
 from ..monitors.tensor_stats import (EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN,
-                                     PARAM_UPDATED, TensorStatsMonitor, TensorStatsRecord)
+                                     PARAM_UPDATED, TensorStatsMonitor)
 from ..sinks.csv import MsprobeCsvSink
 from ..stats import host_is_device
 from .accumulate import GradientSums
+from ..formats.msprobe_csv import output_root as csv_output_root
 from .config import TensorStatsConfig, _ops, load_config_json
 from .targets import find_moments, optimizer_parameters, select_parameters
 
@@ -47,12 +53,21 @@ class TrainerMon:
     @classmethod
     def from_config(cls, config: TensorStatsConfig, sinks: Sequence[Sink] = (), params_have_main_grad: bool = True
                     ) -> "TrainerMon":
-        """A TrainerMon from an already parsed configuration (the YAML route), writing to the CSV sink and to
-        `sinks` (opened by the caller; they get every step's records and a flush)."""
+        """A TrainerMon from an already parsed configuration, writing to the CSV sink and to `sinks` too."""
         monitor = cls.__new__(cls)
         monitor._setup(config, list(sinks))
         monitor.process_group = None
         monitor.params_have_main_grad = params_have_main_grad
+        return monitor
+
+    @classmethod
+    def feeding(cls, config: TensorStatsConfig, group: MonitorGroup, params_have_main_grad: bool = True
+                ) -> "TrainerMon":
+        """Hooks that record into `group`, built with a TensorStatsMonitor (mindmon.factory does); the
+        trainer flushes the group at step end, so nothing is written here."""
+        monitor = cls.from_config(config, (), params_have_main_grad)
+        monitor.group = group
+        monitor.owns_group = False
         return monitor
 
     def _setup(self, config: TensorStatsConfig, extra_sinks: List[Sink]) -> None:
@@ -61,6 +76,8 @@ class TrainerMon:
         self.rank = DataParallel().rank
         self.on_host = host_is_device()
         self.monitor: Optional[TensorStatsMonitor] = None
+        self.group: Optional[MonitorGroup] = None
+        self.owns_group = True
         self.sink: Optional[MsprobeCsvSink] = None
         self._ops = config.ops
         self.step = 0
@@ -100,13 +117,28 @@ class TrainerMon:
         self.moments = self._moments(optimizer, len(parameters))
         self._keep_grads = _keeps_reduced_gradients(dp_group, tp_group, parameters, self.selected)
         self.step = start_iteration
+        self._build_group(start_iteration)
+        self._attach(optimizer)
+        logger.info("mindmon: TrainerMon collects %s for %d parameters%s", self._points(), len(self.selected),
+                    f" into {self.sink.folder}" if self.sink is not None else "")
+
+    def _build_group(self, start_iteration: int) -> None:
+        """Standalone: a group of its own (the statistics monitor; the CSV, alert and extra sinks).
+        Feeding a trainer's group: that group's statistics monitor."""
+        if not self.owns_group:
+            self.monitor = next(m for m in self.group.monitors if isinstance(m, TensorStatsMonitor))
+            return
+        from ..alerts.sink import build_alert_sink
+
         self.monitor = TensorStatsMonitor(self._ops, self.config.eps, self.on_host, self.rank)
         self.sink = MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
                                    self.config.significant_digits, self.config.append_output)
-        self._attach(optimizer)
-        self.sink.open(RunInfo(rank=self.rank, start_step=start_iteration))
-        logger.info("mindmon: TrainerMon writes %s for %d parameters to %s", self._points(),
-                    len(self.selected), self.sink.folder)
+        sinks = [self.sink] + self.extra_sinks
+        if self.config.alert is not None and self.config.alert.active:
+            sinks.append(build_alert_sink(self.config.alert, csv_output_root(), self.rank, logger,
+                                          DataParallel(), path="alert")[0])
+        self.group = MonitorGroup([self.monitor], sinks, self.rank, logger)
+        self.group.setup(start_step=start_iteration)
 
     def set_wrapped_optimizer(self, optimizer) -> None:
         warnings.warn("TrainerMon.set_wrapped_optimizer is deprecated: pass the optimizer to set_monitor",
@@ -137,14 +169,13 @@ class TrainerMon:
         return tables[GRAD_REDUCED], tables[GRAD_UNREDUCED]
 
     def close(self) -> None:
-        """Detach every hook (the optimizer and the parameters are as before set_monitor)."""
+        """Detach every hook (the optimizer and the parameters are as before set_monitor); close the
+        files of a standalone TrainerMon."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.sink is not None:
-            self.sink.close()
-        for sink in self.extra_sinks:
-            sink.close()
+        if self.group is not None and self.owns_group:
+            self.group.close()
 
     # --- attaching ------------------------------------------------------------------------------------
 
@@ -181,7 +212,7 @@ class TrainerMon:
         return hook
 
     def _record_micro_gradient(self, name: str, grad, micro_step: int) -> None:
-        self.monitor.record(GRAD_UNREDUCED, [(name, grad)], {"micro_step": micro_step})
+        self.group.record(GRAD_UNREDUCED, [(name, grad)], {"micro_step": micro_step})
 
     # --- one step -------------------------------------------------------------------------------------
 
@@ -197,7 +228,7 @@ class TrainerMon:
         self._sums.clear()
 
     def _record_before_update(self, inputs) -> None:
-        config, monitor = self.config, self.monitor
+        config, monitor = self.config, self.group
         if config.param_distribution:
             monitor.record(PARAM_ORIGIN, [(name, self.parameters[i]) for i, name in self.selected])
         if config.wg_distribution:
@@ -210,16 +241,10 @@ class TrainerMon:
 
     def _finish_step(self) -> None:
         if self.config.param_distribution:
-            self.monitor.record(PARAM_UPDATED, [(name, self.parameters[i]) for i, name in self.selected])
+            self.group.record(PARAM_UPDATED, [(name, self.parameters[i]) for i, name in self.selected])
         self._sums.check_count(self.grad_acc_steps, self.step)
-        records = self.monitor.collect(self.step + 1)  # records count steps from 1; the CSV writes step 0
-        for sink in [self.sink] + self.extra_sinks:
-            try:
-                sink.write(records)
-                sink.flush()
-            except Exception as error:  # noqa: BLE001 - one sink failing stops neither the others nor training
-                self._warn_once(id(sink), "mindmon: %s failed at step %d (its later failures are not logged): "
-                                "%s: %s", type(sink).__name__, self.step, type(error).__name__, error)
+        if self.owns_group:
+            self.group.flush(self.step + 1)  # records count steps from 1; the CSV writes step 0
 
     def _reduced_gradients(self, inputs) -> List[tuple]:
         """The gradients the optimizer gets: the tuple passed to its call, else each parameter's

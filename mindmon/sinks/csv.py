@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..engine import RunInfo, Sink
 from ..formats import msprobe_csv as fmt
-from ..monitors.tensor_stats import TensorStatsRecord
+from ..records import TensorStatsRecord
 
 logger = logging.getLogger("mindmon")
 

@@ -17,7 +17,7 @@ from .lines import unwritable
 from ..formats.layout import global_micro_step, rank_dir
 from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
                        MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, SAMPLES, TOKENS_PER_EXPERT,
-                       TOKENS_PER_EXPERT_STEP, Record)
+                       TOKENS_PER_EXPERT_STEP, Record, TensorStatsRecord)
 
 # Megatron's names for the scalars it also plots, as tensorboardX writes them (it turns the
 # characters TensorBoard does not allow in a tag, such as spaces, into "_": "lm loss" -> "lm_loss").
@@ -29,7 +29,10 @@ VS_SAMPLES = "_vs_samples"
 
 
 def _list_tags(record: Record) -> Iterator[Tuple[str, float]]:
-    if record.kind == MAX_ATTENTION_LOGIT:   # per head, and the layer's max over its heads
+    if isinstance(record, TensorStatsRecord):   # <point>/<tensor>/<statistic>
+        for op, value in zip(record.ops, record.value):
+            yield f"{record.kind}/{record.name}/{op}", value
+    elif record.kind == MAX_ATTENTION_LOGIT:   # per head, and the layer's max over its heads
         yield f"{MAX_ATTENTION_LOGIT}/{record.name}", max(record.value)
         for head, value in enumerate(record.value):
             yield f"{MAX_ATTENTION_LOGIT}/{record.name}/head_{head}", value
