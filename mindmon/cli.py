@@ -7,6 +7,7 @@
     mindmon parse-log LOGFILE -o DIR [--rank R]               a MindFormers training log -> DIR/rank_<r>/metrics.jsonl
     mindmon to-tensorboard RUN_DIR [-o DIR]                   JSONL -> DIR/rank_<r>/ event files
     mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
+    mindmon anomalies -d DIR [-o OUT] [-k 8] [-s STEPS]       the first anomalies in time, across ranks
 
 `python -m mindmon` is the same command. The live path (training) is in mindmon.group, .factory,
 .step, .monitors, .sinks, .callbacks, .probes, .integrations; these commands use mindmon.analysis.
@@ -147,6 +148,16 @@ def _to_tensorboard(args) -> int:
     return 0
 
 
+def _add_anomalies(commands) -> None:
+    from .alerts import analyse
+
+    anomalies = commands.add_parser("anomalies", help="order the anomalies dumped by the alert rules "
+                                    "(anomaly_detected/rank<r>/anomaly.json) first in time, across ranks, and "
+                                    "write the top k to anomaly_analyse.json")
+    analyse.add_arguments(anomalies)
+    anomalies.set_defaults(handler=analyse.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindmon", description="Training monitors for MindSpore/MindFormers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output) or one metrics.jsonl")
     convert.add_argument("-o", "--output", default=None, help="event directory (default: RUN_DIR/tensorboard)")
     convert.set_defaults(handler=_to_tensorboard)
+    _add_anomalies(commands)
     return parser
 
 
