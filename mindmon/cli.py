@@ -59,10 +59,15 @@ def _demo_config_error(args, error) -> int:
 def _demo_multi(args, output: str, config_file) -> int:
     from .demo.launch import launch
 
+    from .demo.launch import lost_ranks
+
     code = launch(args.workers, output, args.steps, config_file)
     where = (f"per-rank outputs in {output}/monitor/rank_<r>, logs in {output}/log/rank_<r>" if code == 0
              else "see the worker logs")
     print(f"mindmon demo: {args.workers} workers exited with {code}; {where} and {output}/msrun/worker_<r>.log")
+    if code:
+        for note in lost_ranks(os.path.join(output, "msrun"), args.workers):
+            print(f"mindmon demo: {note}", file=sys.stderr)
     return code
 
 

@@ -224,3 +224,43 @@ def test_report_lists_and_marks_nonfinite_steps(tmp_path):
     sink.close()
     page = open(write_report(str(tmp_path), str(tmp_path / "r.html"), progress=None)).read()
     assert "Not finite (NaN/inf, marked x in the figures): device_loss at step(s) 2; grad_norm at step(s) 3" in page
+
+
+def _rank_pid(rank, script):
+    for pid in os.listdir("/proc"):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            command = open(f"/proc/{pid}/cmdline", "rb").read()
+        except (OSError, ValueError):
+            continue
+        if script in command and f"RANK_ID={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_a_killed_msrun_worker_ends_the_run_naming_it_and_keeps_the_other_ranks_steps(tmp_path):
+    out = tmp_path / "out"
+    demo = subprocess.Popen([sys.executable, "-m", "mindmon", "demo", "--workers", "2", "--steps", "400",
+                             "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "monitor" / "rank_0" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+            time.sleep(0.5)
+        victim = _rank_pid(1, b"mindmon/demo/worker.py")
+        assert victim is not None, "rank 1's worker is running"
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        _, err = demo.communicate(timeout=240)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode != 0
+    assert time.time() - killed_at < 240
+    assert "mindmon demo: rank 1 was lost" in err or "mindmon demo: rank 1: ended without finishing" in err
+    records = jsonl.read_records(str(metrics))
+    steps = sorted({r.step for r in records if r.kind == "device_loss"})
+    assert steps[:3] == [1, 2, 3]   # what rank 0 wrote before the fault is all there
+    for step in steps:
+        assert sum(r.kind == "device_norm" and r.step == step for r in records) == \
+            sum(r.kind == "device_norm" and r.step == 1 for r in records)   # every written step is whole

@@ -296,11 +296,21 @@ def test_level_outside_0_1_2_is_level_none_with_a_warning(tmp_path, caplog, mstx
         callback.on_train_end(None, SimpleNamespace(global_step=0))
 
 
-def test_unusable_output_path_is_logged_and_training_goes_on(tmp_path, caplog):
+def test_unusable_output_path_is_a_config_error_before_step_1(tmp_path):
+    from mindmon.config import ConfigError
+
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     config = ProfilerConfig.parse({"enable_profiling": True, "output_path": str(blocker)})
     callback = ProfilerCallback(config)
+    with pytest.raises(ConfigError, match=r"^profiler\.output_path: got .*a_file.*cannot write"):
+        callback.on_train_begin(None, SimpleNamespace(global_step=0))
+
+
+def test_a_profiler_that_fails_to_start_is_logged_and_training_goes_on(tmp_path, caplog):
+    config = ProfilerConfig.parse({"enable_profiling": True, "output_path": str(tmp_path / "prof")})
+    callback = ProfilerCallback(config)
+    callback._start = lambda: (_ for _ in ()).throw(RuntimeError("no profiler here"))
     state = SimpleNamespace(global_step=0)
     with caplog.at_level(logging.ERROR, logger="mindmon"):
         callback.on_train_begin(None, state)

@@ -95,7 +95,19 @@ class ProfilerCallback(TrainerCallback):
             self.logger.warning(f"mindmon: profiler: the window (steps {self.config.start_step}-{self.config.end_step}) "
                                 f"ends before this run's first step {steps_done + 1}; nothing is profiled")
             return
+        self._check_writable()
         self._guarded("could not start", self._start)
+
+    def _check_writable(self) -> None:
+        """The same rule as every output: a folder that cannot be made is a ConfigError naming its key,
+        before step 1 (a profiler that fails later is logged and switched off)."""
+        from ..sinks.lines import unwritable
+
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+        except (OSError, ValueError) as error:
+            configured = self.config.output_path if self.config.output_path is not None else "./profile"
+            raise unwritable("profiler.output_path", configured, self.output_dir, error) from None
 
     def on_step_begin(self, args, state, **kwargs):
         if self._profile is not None and self.config.mstx:

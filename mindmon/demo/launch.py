@@ -5,6 +5,7 @@ trains its shard of the data and writes its own `rank_<r>/` outputs. msrun runs 
 so the interpreter running this command is put first on it.
 """
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -35,3 +36,29 @@ def launch(workers: int, output: str, steps: Optional[int], config: Optional[str
     log_dir = os.path.join(output, "msrun")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     return subprocess.run(msrun_command(workers, log_dir, args), env=env, timeout=timeout).returncode
+
+
+TRAINED_LINE = "mindmon demo: trained "
+# MindSpore's cluster manager names the first worker that stopped answering.
+TIMED_OUT = re.compile(r"worker (\d+) is the first one timed out")
+
+
+def lost_ranks(log_dir: str, workers: int) -> List[str]:
+    """After a failed run: what each rank that did not finish did, from the worker logs msrun wrote."""
+    notes = []
+    for rank in range(workers):
+        path = os.path.join(log_dir, f"worker_{rank}.log")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+        except OSError:
+            notes.append(f"rank {rank}: no log ({path})")
+            continue
+        if TRAINED_LINE in text:
+            continue
+        timed_out = TIMED_OUT.search(text)
+        if timed_out:
+            notes.append(f"rank {timed_out.group(1)} was lost (it stopped answering; MindSpore ended the job)")
+        notes.append(f"rank {rank}: {'raised an error' if 'Traceback' in text else 'ended without finishing'} "
+                     f"(see {path})")
+    return list(dict.fromkeys(notes))
