@@ -31,7 +31,9 @@ _SMALL = 1 << 12
 
 def _host_array(tensor) -> np.ndarray:
     """The tensor's memory as a flat numpy array: a view on CPU (bfloat16 goes through a float32 copy,
-    numpy has no bfloat16)."""
+    numpy has no bfloat16). A numpy array (a view the training step already holds) is taken as it is."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.reshape(-1)
     import mindspore as ms
 
     if tensor.dtype == ms.bfloat16:
@@ -68,7 +70,7 @@ class SquaredNorms:
     def add(self, key: Hashable, tensors: Sequence) -> None:
         if not tensors:
             return
-        if self.on_host:
+        if self.on_host or isinstance(tensors[0], np.ndarray):
             self._pending[key] = np.array([_squared_norm(_host_array(t)) for t in tensors], dtype=np.float64)
         else:
             from mindspore import mint, ops
@@ -99,3 +101,54 @@ def to_float(value) -> float:
     if hasattr(value, "asnumpy"):
         return float(value.asnumpy())
     return float(value)
+
+
+class HostGradientBuffer:
+    """CPU, float32 parameters: the step's accumulated gradients in one numpy buffer, a view per parameter.
+
+    On CPU a MindSpore tensor's `asnumpy()` is a view of its memory, so adding a micro-batch's gradients
+    here reads each gradient once and costs one numpy add, where accumulating as MindSpore ops costs one
+    dispatch and one new tensor per parameter. The monitors then take norms of these views without any
+    further host read. A fresh buffer per step: the previous step's tensors handed to the optimizer
+    (`tensors()`, zero-copy) are never overwritten.
+    """
+
+    def __init__(self, parameters: Sequence):
+        self.shapes = [tuple(p.shape) for p in parameters]
+        sizes = [int(np.prod(shape)) if shape else 1 for shape in self.shapes]
+        self.offsets = np.cumsum([0] + sizes)
+        self.views: list = []
+
+    @staticmethod
+    def fits(parameters: Sequence) -> bool:
+        import mindspore as ms
+
+        return bool(parameters) and all(p.dtype == ms.float32 for p in parameters)
+
+    def add(self, grads: Sequence) -> list:
+        """Adds one micro-batch's gradients; returns them as flat numpy views (valid while `grads` lives)."""
+        micro = [g.asnumpy().reshape(-1) for g in grads]
+        if not self.views:
+            buffer = np.empty(int(self.offsets[-1]), np.float32)
+            self.views = [buffer[start:end] for start, end in zip(self.offsets[:-1], self.offsets[1:])]
+            for view, flat in zip(self.views, micro):
+                np.copyto(view, flat)
+        else:
+            for view, flat in zip(self.views, micro):
+                np.add(view, flat, out=view)
+        return micro
+
+    def squared_norm(self) -> float:
+        return sum(_squared_norm(view) for view in self.views)
+
+    def scale(self, factor: float) -> None:
+        for view in self.views:
+            view *= np.float32(factor)
+
+    def take(self) -> tuple:
+        """The accumulated gradients as MindSpore tensors sharing the buffer; the next `add` starts a new one."""
+        from mindspore import Tensor
+
+        tensors = tuple(Tensor.from_numpy(view.reshape(shape)) for view, shape in zip(self.views, self.shapes))
+        self.views = []
+        return tensors

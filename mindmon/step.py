@@ -23,7 +23,7 @@ from mindspore import mint, ops, value_and_grad
 from .config import check_max_norm
 from .distributed import DataParallel
 from .monitors import GradientSnapshot
-from .stats import SquaredNorms, host_is_device
+from .stats import HostGradientBuffer, SquaredNorms, host_is_device
 
 Batch = Union[Dict[str, object], Tuple, List]
 
@@ -68,6 +68,9 @@ class AccumulatingTrainStep:
         self.on_host = host_is_device() if on_host is None else on_host
         self.data_parallel = data_parallel or DataParallel()
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
+        # On CPU with float32 parameters the gradients are summed in one numpy buffer (stats.py).
+        parameters = list(optimizer.parameters)
+        self._host = HostGradientBuffer(parameters) if self.on_host and HostGradientBuffer.fits(parameters) else None
 
     def _scaled_loss(self, *args):
         loss = self.loss_fn(*args)
@@ -78,26 +81,49 @@ class AccumulatingTrainStep:
         if group is not None:
             group.reset()
             group.record("moe_tpe_step_begin")
-        losses, accumulated = [], None
+        accumulated, loss_sum = self._accumulate_micro_batches(micro_batches, group)
+        if accumulated is None and not self.data_parallel.active:   # summed in the host buffer, one rank
+            grad_norm = float(np.sqrt(self._host.squared_norm()))   # no second read of the gradients
+            accumulated, mean_loss = self._clip_on_host(grad_norm), loss_sum / self.num_micro_steps
+            reduced = None
+        else:
+            accumulated = self._host.take() if accumulated is None else accumulated
+            reduced, mean_loss = self._reduce(accumulated, loss_sum, group)
+            grad_norm = self._global_norm(reduced)
+            accumulated = self._clip(reduced, grad_norm)
+        if np.isfinite(grad_norm):
+            self.optimizer(accumulated)
+        if group is not None:
+            group.record("device_loss", mean_loss)
+            # Several ranks: the norm of the data-parallel mean, before clipping; one rank: A_{K-1}.
+            group.record("device_norm", reduced if self.data_parallel.active else None)
+        return mean_loss, grad_norm
+
+    def _accumulate_micro_batches(self, micro_batches: Sequence[Batch], group):
+        """Forward/backward per micro-batch, recording each micro-step. Returns (the summed gradients
+        as MindSpore tensors, or None when they are summed in the host buffer; the sum of the losses)."""
+        losses, accumulated, host = [], None, self._host
         for k, batch in enumerate(micro_batches):
             args = (batch,) if isinstance(batch, dict) else tuple(batch)
             (_, loss), grads = self.grad_fn(*args)
-            accumulated = grads if accumulated is None else tuple(a + g for a, g in zip(accumulated, grads))
+            if host is not None:
+                micro = host.add(grads)
+                snapshot = GradientSnapshot(host.views if k == 0 else micro, host.views)
+            else:
+                accumulated = grads if accumulated is None else tuple(a + g for a, g in zip(accumulated, grads))
+                snapshot = GradientSnapshot(grads, accumulated)
             losses.append(loss)
             if group is not None:
                 context = {"micro_step": k}
                 group.record("local_loss", loss, context)
-                group.record("local_norm", GradientSnapshot(grads, accumulated), context)
+                group.record("local_norm", snapshot, context)
                 group.record("moe_tpe", context=context)
-        accumulated, mean_loss = self._reduce(accumulated, sum(losses[1:], losses[0]), group)
-        grad_norm = self._global_norm(accumulated)
-        finite = bool(np.isfinite(grad_norm))
-        if finite:
-            self.optimizer(self._clip(accumulated, grad_norm))
-        if group is not None:
-            group.record("device_loss", mean_loss)
-            group.record("device_norm", accumulated if self.data_parallel.active else None)
-        return mean_loss, grad_norm
+        return accumulated, sum(losses[1:], losses[0])
+
+    def _clip_on_host(self, grad_norm: float) -> tuple:
+        if self.max_norm > 0 and np.isfinite(grad_norm) and grad_norm > self.max_norm:
+            self._host.scale(self.max_norm / grad_norm)
+        return self._host.take()
 
     def _reduce(self, accumulated, loss_sum, group):
         """The data-parallel mean of the gradients and of the micro-batch losses, with what the

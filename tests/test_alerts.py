@@ -14,6 +14,7 @@ import pytest
 from mindmon.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink, delivery_note
 from mindmon.alerts.anomaly import DUMP_FIELDS
 from mindmon.config import ConfigError
+from mindmon.distributed import DataParallel
 from mindmon.engine import RunInfo
 from mindmon.records import Record
 from servers import (PG_PASSWORD, SMTP_PASSWORD, SMTP_USER, free_port,  # noqa: F401 (fixtures below)
@@ -421,23 +422,27 @@ def train_until_stop(tmp_path, config, batches):
     sinks, stopping when the actions say so; returns (sink, steps run)."""
     from mindspore import Tensor, nn
 
-    from mindmon import AccumulatingTrainStep, MonitorConfig, MonitorGroup, split_batch
+    from mindmon import AccumulatingTrainStep, MonitorConfig, split_batch
+    from mindmon.factory import build_monitors, build_sinks
+    from mindmon.group import MonitorGroup
 
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
-    group = MonitorGroup(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
-        "local_loss": True, "device_norm": True, "device_loss": True}}),
-        parameter_names=[p.name for p in optimizer.parameters])
-    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=0.0)
+    monitor = MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
+        "local_loss": True, "device_norm": True, "device_loss": True}})
+    logger = logging.getLogger("mindmon")
+    monitors = build_monitors(monitor, None, [p.name for p in optimizer.parameters], 0, True, DataParallel(),
+                              logger, None)
     actions = AlertActions.from_config(config)
     alerts = AlertSink(config, str(tmp_path), actions=actions)
+    # every record the step writes reaches the alert sink, next to the usual ones
+    group = MonitorGroup(monitors, build_sinks(monitor, logger)[0] + [alerts], 0, logger, actions)
+    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=0.0)
     group.setup()
-    group.sinks.append(alerts)   # every record the step writes reaches the alert sink
     for step, (x, y) in enumerate(batches, start=1):
         train_step(split_batch((Tensor(x), Tensor(y)), 2))
         group.flush(step)
-        alerts.flush()
-        if actions.should_stop():
+        if group.should_stop():
             break
     group.close()
     return alerts, step

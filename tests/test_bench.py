@@ -62,7 +62,7 @@ class _HostReads:
     """Counts Tensor.asnumpy calls (a spy that calls through) made while the step is inside a group call."""
 
     def __init__(self, monkeypatch, group):
-        self.in_record, self.in_flush, self._where = 0, 0, None
+        self.in_record, self.in_flush, self.outside, self._where = 0, 0, 0, None
         original = Tensor.asnumpy
 
         def asnumpy(tensor):
@@ -70,6 +70,8 @@ class _HostReads:
                 self.in_record += 1
             elif self._where == "flush":
                 self.in_flush += 1
+            else:
+                self.outside += 1
             return original(tensor)
 
         monkeypatch.setattr(Tensor, "asnumpy", asnumpy)
@@ -96,7 +98,8 @@ def _monitored_step(tmp_path, on_host, monkeypatch):
     group = build_group(config, model=model, parameter_names=[p.name for p in optimizer.parameters],
                          on_host=on_host)
     group.setup()
-    step = AccumulatingTrainStep(lambda ids, labels: model(ids, labels)[0], optimizer, 4, group=group)
+    step = AccumulatingTrainStep(lambda ids, labels: model(ids, labels)[0], optimizer, 4, group=group,
+                                 on_host=on_host)
     sequences = make_sequences(8, SMALL_MODEL["seq_length"], SMALL_MODEL["vocab_size"])
     reads = _HostReads(monkeypatch, group)
     step(split_batch((Tensor(sequences[:, :-1]), Tensor(sequences[:, 1:])), 4))
@@ -119,11 +122,13 @@ def test_device_path_reads_nothing_to_the_host_inside_the_step(tmp_path, monkeyp
 def test_cpu_path_reads_each_gradient_once_per_micro_step(tmp_path, monkeypatch):
     reads, tensors, records = _monitored_step(tmp_path, on_host=True, monkeypatch=monkeypatch)
     moe_layers = len({r["name"] for r in records if r["kind"] == "tokens_per_expert"})
-    # Views of host memory: micro-step 0's gradient is also the accumulated one and is read once;
-    # later micro-steps read their own and the accumulated gradient; MoE counts at step begin and
+    # Views of host memory: the step sums each micro-batch's gradients into its host buffer, reading
+    # each gradient once; the norms (micro-batch, accumulated, the global norm) are taken from those
+    # views and the buffer, with no further read. Inside the group: the MoE counts at step begin and
     # after each micro-step.
     assert moe_layers == 2
-    assert reads.in_record == (2 * 4 - 1) * tensors + (4 + 1) * moe_layers
+    assert reads.outside == 4 * tensors
+    assert reads.in_record == (4 + 1) * moe_layers
     device = {r["name"]: r["value"] for r in records if r["kind"] == "device_norm"}
     increments = {}
     for r in records:

@@ -106,8 +106,10 @@ class HostSyncPerParameterNorms:
         self._pending: Dict = {}
 
     def add(self, key, tensors) -> None:
-        from mindspore import ops
+        from mindspore import Tensor, ops
 
+        # The training step may hand numpy views of the gradients (CPU): as tensors again, zero-copy.
+        tensors = [Tensor.from_numpy(t) if isinstance(t, np.ndarray) else t for t in tensors]
         self._pending[key] = np.array([float(ops.norm(t)) ** 2 for t in tensors], dtype=np.float64)
 
     def alias(self, key, existing) -> None:
