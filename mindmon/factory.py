@@ -23,7 +23,8 @@ class _RankTagged(logging.LoggerAdapter):
     """Python's logger does not say which process wrote a line; MindFormers' does (rank_<r>/ files)."""
 
     def process(self, msg, kwargs):
-        return f"[rank {self.extra['rank']}] {msg}", kwargs
+        tag = f"[rank {self.extra['rank']}] "
+        return tag + str(msg).replace("\n", "\n" + tag), kwargs   # every line of a block says its rank
 
 
 def default_logger(rank: int, several_ranks: bool):

@@ -12,6 +12,16 @@ from test_log_format import SEED_PATTERNS
 STEPS, K = 6, 4
 
 
+def _message(line):
+    """A log line without the logger's prefix. mindmon writes a step's lines in one logging call, so
+    only the first line of the block carries the prefix; the others are the documented lines as is."""
+    if " - INFO - " in line:
+        return line.split(" - INFO - ", 1)[1]
+    if line.startswith(("{", "step:[")):
+        return line
+    return line.split("] ", 2)[-1].split(": ", 1)[-1]
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
@@ -20,8 +30,7 @@ def demo(tmp_path_factory):
                             capture_output=True, text=True, env=env, cwd=out, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (out / "log" / "rank_0" / "info.log").read_text()
-    messages = [line.split(" - INFO - ", 1)[1] if " - INFO - " in line else line.split("] ", 2)[-1].split(": ", 1)[-1]
-                for line in log.splitlines()]
+    messages = [_message(line) for line in log.splitlines()]
     return out, result.stdout, log, messages
 
 

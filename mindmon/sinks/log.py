@@ -8,8 +8,10 @@ from ..records import Record
 
 
 class LogSink(Sink):
-    """Writes a step's lines through a logger (MindFormers' logger when it is there), one call per
-    line so every line carries the logger's prefix.
+    """Writes a step's lines through a logger (MindFormers' logger when it is there) in one call: the
+    logger's prefix (time, level, file) heads the step's block and every documented line follows on
+    its own line, as written. One call per step instead of one per line: `logging` costs tens of
+    microseconds a call, and a step of a large model has hundreds of lines.
 
     Example:
         sink = LogSink(logging.getLogger("mindmon"))
@@ -27,8 +29,9 @@ class LogSink(Sink):
     def write(self, records: Sequence[Record]) -> None:
         if self._closed:
             raise SinkClosedError("mindmon: LogSink: write after close()")
-        for line in format_lines(list(records), self.max_steps):
-            self.logger.info(line)
+        lines = format_lines(list(records), self.max_steps)
+        if lines:
+            self.logger.info("\n".join(lines))
 
     def close(self) -> None:
         self._closed = True
