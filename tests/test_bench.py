@@ -1,5 +1,6 @@
 """The overhead benchmark runs and writes its JSON; monitors make no host read inside the step's
 record calls on the device path, and read each tensor once on the CPU path. No timing is asserted."""
+import glob
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_bat
 from mindmon.demo.data import make_sequences
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref"]
+CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats"]
 K = 2  # micro-steps per step in the benchmark's --tiny size
 
 
@@ -45,6 +46,13 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
         assert sum(r["kind"] == "local_norm" for r in records) == 4 * K * tensors
     moe = read_jsonl(tmp_path / "monitor" / "+moe+max_logits" / "rank_0" / "metrics.jsonl")
     assert {r["kind"] for r in moe} >= {"tokens_per_expert", "max_attention_logit"}
+    # tensor_stats: msprobe's CSVs of every point, one row per parameter tensor per step.
+    grads = glob.glob(str(tmp_path / "monitor" / "tensor_stats" / "*-rank0-*" / "grad_reduced_*.csv"))
+    assert len(grads) == 4 and rows["tensor_stats"]["in_mindmon_ms_per_step"] > 0
+    for point in ("param_origin", "param_updated", "grad_unreduced", "exp_avg", "exp_avg_sq"):
+        assert glob.glob(str(tmp_path / "monitor" / "tensor_stats" / "*-rank0-*" / f"{point}_0-0.csv")), point
+    with open(sorted(grads)[0]) as handle:
+        assert sum(1 for _ in handle) == 1 + tensors
 
 
 def test_host_sync_reference_computes_the_same_norms(rng):

@@ -217,6 +217,63 @@ class Configuration:
             self.group.group.close()
 
 
+class HookTimer:
+    """Seconds spent in TrainerMon's hook entry points this step: the gradient hooks and the optimizer's
+    pre-hook during the step, its post-hook (records, CSV) at step end."""
+
+    def __init__(self):
+        self.in_step = self.at_end = 0.0
+
+    def wrap(self, function, during_step: bool):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                if during_step:
+                    self.in_step += elapsed
+                else:
+                    self.at_end += elapsed
+        return timed
+
+    def instrument(self, monitor) -> None:
+        """Before `set_monitor`, which looks these up when it attaches (bench-only instrumentation)."""
+        make_hook = monitor._gradient_hook
+        monitor._gradient_hook = lambda index, name: self.wrap(make_hook(index, name), True)
+        monitor._before_update = self.wrap(monitor._before_update, True)
+        monitor._after_update = self.wrap(monitor._after_update, False)
+
+
+ALL_OPS = ["min", "max", "mean", "norm", "zeros", "nans"]
+
+
+class TensorStatsConfiguration(Configuration):
+    """msprobe's statistics of every parameter (weights before and after the update, gradients before
+    and after the reduction, Adam's moments; every op) through mindmon's TrainerMon. On a model of its
+    own: TrainerMon hooks its optimizer instance for the whole run."""
+
+    def __init__(self, name: str, size: "BenchSize", out_dir: Path):
+        from mindmon.msprobe import TrainerMon, parse_tensor_stats
+
+        super().__init__(name, Workload(size), out_dir)
+        os.environ["MONITOR_OUTPUT_DIR"] = str(out_dir / name)
+        config = parse_tensor_stats({"param_distribution": True, "wg_distribution": True, "mv_distribution": True,
+                                     "ops": ALL_OPS})
+        self.timer = HookTimer()
+        self.monitor = TrainerMon.from_config(config, params_have_main_grad=False)
+        self.timer.instrument(self.monitor)
+        self.monitor.set_monitor(self.work.model, size.micro_steps, self.work.optimizer)
+
+    def step(self) -> "StepTime":
+        self.timer.in_step = self.timer.at_end = 0.0
+        timed = super().step()
+        return replace(timed, in_step=self.timer.in_step, at_end=self.timer.at_end)
+
+    def close(self) -> None:
+        self.monitor.close()
+
+
 def _file_logger(name: str, path: Path) -> logging.Logger:
     """The log lines go to a file, as MindFormers' info.log would take them."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -351,6 +408,7 @@ def _main_configs(work: Workload, out_dir: Path) -> List[Configuration]:
         Configuration("train_state", work, out_dir, {"train_state": TRAIN_STATE}),
         Configuration("+moe+max_logits", work, out_dir, both, max_logits=True),
         Configuration("host_sync_ref", work, out_dir, {"train_state": TRAIN_STATE}, host_sync_norms=True),
+        TensorStatsConfiguration("tensor_stats", work.size, out_dir),
     ]
 
 
@@ -375,18 +433,33 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
             "off_median_step_s": off["median_step_s"]}
 
 
+def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int, log) -> List[dict]:
+    configs = [Configuration("off", work, out_dir), Configuration("train_state", work, out_dir,
+                                                                  {"train_state": TRAIN_STATE})]
+    samples = run_interleaved(configs, rounds, 1, warmup, log, python_memory=False)
+    for config in configs:
+        config.close()
+    return summarize(samples)
+
+
 def measure_scaling(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
     results = []
     for layers in args.scaling_layers:
         work = Workload(size.with_model(num_layers=layers))
         log(f"scaling run, {layers} layers: {work.describe()}")
-        configs = [Configuration("off", work, out_dir / f"L{layers}"),
-                   Configuration("train_state", work, out_dir / f"L{layers}", {"train_state": TRAIN_STATE})]
-        samples = run_interleaved(configs, args.scaling_rounds, 1, args.warmup, log, python_memory=False)
-        for config in configs:
-            config.close()
-        rows = summarize(samples)
+        rows = _off_and_train_state(work, out_dir / f"L{layers}", args.scaling_rounds, args.warmup, log)
         results.append({"num_layers": layers, "size": work.describe(), "rows": rows})
+    return results
+
+
+def measure_sequence(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
+    """The main model with longer sequences: more compute per parameter, the same monitoring work."""
+    results = []
+    for seq_length in args.seq_lengths:
+        work = Workload(size.with_model(seq_length=seq_length))
+        log(f"sequence run, {seq_length} tokens: {work.describe()}")
+        rows = _off_and_train_state(work, out_dir / f"S{seq_length}", args.scaling_rounds, args.warmup, log)
+        results.append({"seq_length": seq_length, "size": work.describe(), "rows": rows})
     return results
 
 
@@ -416,7 +489,23 @@ def format_tables(result: dict) -> str:
                          f"{ours['added_ms_per_step']:>10.1f}"
                          f"{ours['round_ratio_min']:>12.4f}..{ours['round_ratio_max']:<10.4f}"
                          f"{ours['cpu_ratio_to_off']:>11.4f}{_split(ours):>22}")
+    lines += _sequence_lines(result.get("sequence") or [], result["main"])
     return "\n".join(lines)
+
+
+def _sequence_lines(runs: List[dict], main: dict) -> List[str]:
+    """train_state's share of the step as the tokens per micro-batch grow (the main run first)."""
+    if not runs:
+        return []
+    lines = ["", "sequence length (train_state vs off, main model):",
+             f"{'tokens':>7}{'off step s':>12}{'x off':>8}{'mindmon ms':>12}{'share of off step':>19}"]
+    shown = [(main["size"]["seq_length"], main["rows"][0], main["rows"][1])]
+    shown += [(run["seq_length"], run["rows"][0], run["rows"][1]) for run in runs]
+    for tokens, off, ours in shown:
+        in_mindmon = ours["in_mindmon_ms_per_step"]
+        lines.append(f"{tokens:>7}{off['median_step_s']:>12.3f}{ours['ratio_to_off']:>8.4f}{in_mindmon:>12.1f}"
+                     f"{in_mindmon / 1000 / off['median_step_s']:>18.2%}")
+    return lines
 
 
 def _split(row: dict) -> str:
@@ -443,6 +532,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=BENCH_MODEL["num_layers"], help="decoder layers of the main run")
     parser.add_argument("--scaling-layers", type=int, nargs="*", default=[2, 8, 32])
     parser.add_argument("--scaling-rounds", type=int, default=3, help="rounds of one step per configuration")
+    parser.add_argument("--seq-lengths", type=int, nargs="*", default=[512],
+                        help="sequence lengths of the sequence run (the main model, off vs train_state)")
     parser.add_argument("--scaling-hidden", type=int, default=128,
                         help="hidden size of the scaling run (ffn = 2x); smaller than the main run's so 32 "
                              "layers fit the time budget")
@@ -470,7 +561,8 @@ def main(argv=None) -> dict:
                            "scaling_rounds": args.scaling_rounds, "pynative_synchronize": True,
                            "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()},
               "main": measure_main(size, args, out_dir, log),
-              "scaling": measure_scaling(scaling_size, args, out_dir, log)}
+              "scaling": measure_scaling(scaling_size, args, out_dir, log),
+              "sequence": measure_sequence(size, args, out_dir, log) if not args.tiny else []}
     result["settings"]["load_average_at_end"] = os.getloadavg()
     result["settings"]["wall_s"] = time.perf_counter() - started
     result["settings"]["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
