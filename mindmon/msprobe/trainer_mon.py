@@ -161,7 +161,8 @@ class TrainerMon:
         if self.sink is not None:
             self.sink.ndigits, self.sink.significant_digits = config.ndigits, config.significant_digits
             self.sink.step_count_per_record = config.step_count_per_record
-        self._collecting = config.collects(self.step)
+        # print_struct collects nothing else: its run ends after step 0.
+        self._collecting = config.collects(self.step) and not config.print_struct
         self._attach_capabilities(config)
         logger.info("mindmon: TrainerMon collects %s for %d parameters and %d cells%s", self._points(),
                     len(self.selected), self._hooked_cells, f" into {self.sink.folder}" if self.sink else "")
