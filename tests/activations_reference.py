@@ -76,3 +76,24 @@ def train(monitor_factory, steps, between_steps=None, train_mode=True, optimizer
         if between_steps is not None:
             between_steps(step)
     return monitor
+
+
+def output_root_for(tmp_path, monkeypatch, dynamic: str = ""):
+    """MONITOR_OUTPUT_DIR under tmp_path, DYNAMIC_MONITOR set to `dynamic` (unset when empty)."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "monitor_output"))
+    if dynamic:
+        monkeypatch.setenv("DYNAMIC_MONITOR", dynamic)
+    else:
+        monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
+    return tmp_path / "monitor_output"
+
+
+def run_config(tmp_path, config, steps=2, **kwargs):
+    """`train` with a TrainerMon reading `config` from a config.json written under tmp_path."""
+    import json
+
+    from mindmon.msprobe import TrainerMon
+
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps(config))
+    return train(lambda: TrainerMon(str(path), params_have_main_grad=False), steps, **kwargs)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from activations_reference import activation_rows, train
+from activations_reference import output_root_for, run_config, activation_rows, train
 from msprobe_reference import K, statistic
 from mindmon.config import ConfigError
 from mindmon.formats.msprobe_csv import read_csv
@@ -20,15 +20,10 @@ RTOL = 1e-5
 
 @pytest.fixture
 def output_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "monitor_output"))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    return tmp_path / "monitor_output"
+    return output_root_for(tmp_path, monkeypatch)
 
 
-def run(tmp_path, config, steps=2, **kwargs):
-    path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps(config))
-    return train(lambda: TrainerMon(str(path), params_have_main_grad=False), steps, **kwargs)
+run = run_config
 
 
 def rows_of(root):

@@ -9,22 +9,17 @@ import os
 import pytest
 
 import activations_reference
-from activations_reference import train
+from activations_reference import output_root_for, run_config, train
 from mindmon.msprobe import TrainerMon
 from mindmon.msprobe.structure import StopTraining
 
 
 @pytest.fixture
 def output_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "monitor_output"))
-    monkeypatch.delenv("DYNAMIC_MONITOR", raising=False)
-    return tmp_path / "monitor_output"
+    return output_root_for(tmp_path, monkeypatch)
 
 
-def run(tmp_path, config, steps=2, **kwargs):
-    path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps(config))
-    return train(lambda: TrainerMon(str(path), params_have_main_grad=False), steps, **kwargs)
+run = run_config
 
 
 def tensor(*shape):

@@ -35,7 +35,7 @@ BAD = [
     ({"start_step": -1}, "start_step"),
     ({"start_step": "0"}, "start_step"),
     ({"step_interval": 0}, "step_interval"),
-    ({"collect_times": 0}, "collect_times"),
+    ({"collect_times": -1}, "collect_times"),   # 0 is allowed: an edit to 0 stops a dynamic run early
     ({"module_ranks": [0, -1]}, "module_ranks"),
     ({"module_ranks": "0"}, "module_ranks"),
     ({"format": "tensorboard"}, "format"),

@@ -185,6 +185,19 @@ class TrainerMon:
         self.group = MonitorGroup([self.monitor], sinks, self.rank, logger)
         self.group.setup(start_step=start_iteration)
 
+    def reload_xy(self, xy_distribution: bool = False) -> None:
+        """Switches activation collection on or off from the next hook call on (deprecated: dynamic on/off
+        does this and more)."""
+        warnings.warn("TrainerMon.reload_xy is deprecated: use dynamic on/off (DYNAMIC_MONITOR=True and "
+                      "dynamic_on in config.json)", DeprecationWarning, stacklevel=2)
+        config = dataclasses.replace(self.config, xy_distribution=bool(xy_distribution))
+        if self.monitor is None:
+            logger.warning("mindmon: reload_xy(%s) before set_monitor attached anything: it takes effect when "
+                           "set_monitor is called", xy_distribution)
+            self.config = config
+            return
+        self._switch_to(config)
+
     def set_wrapped_optimizer(self, optimizer) -> None:
         warnings.warn("TrainerMon.set_wrapped_optimizer is deprecated: pass the optimizer to set_monitor",
                       DeprecationWarning, stacklevel=2)
@@ -345,36 +358,34 @@ class TrainerMon:
         raise StopTraining(message)
 
     def _next_configuration(self) -> None:
-        """Dynamic mode: apply an edited config.json; both modes: detach everything once collect_times is
-        reached."""
+        """Dynamic mode: an edited config.json applies from the next step. Both modes: every capability
+        hook is detached once collect_times is reached (dynamic mode also writes dynamic_on: false)."""
+        if self._dynamic is not None:
+            config = self._dynamic.poll(self.step - 1)
+            if config is not None and not config.dynamic_on:
+                if self._running:
+                    logger.info("mindmon: DYNAMIC_MONITOR: dynamic_on is false; monitoring stops after step %d",
+                                self.step - 1)
+                self._detach_capabilities()
+                return
+            if config is not None:
+                self._switch_to(dataclasses.replace(config, start_step=self.step))
         if self._running and self.config.finished(self.step):
-            logger.info("mindmon: TrainerMon reached collect_times (%d) after step %d; its hooks are detached",
-                        self.config.collect_times, self.step - 1)
+            logger.info("mindmon: TrainerMon reached collect_times (%d) before step %d; its hooks are detached",
+                        self.config.collect_times, self.step)
             self._detach_capabilities()
             if self._dynamic is not None:
                 self._dynamic.switch_off()
-        if self._dynamic is None:
-            return
-        config = self._dynamic.poll(self.step - 1)
-        if config is None:
-            return
-        if not config.dynamic_on:
-            if self._running:
-                logger.info("mindmon: DYNAMIC_MONITOR: dynamic_on is false; monitoring stops after step %d",
-                            self.step - 1)
-            self._detach_capabilities()
-            return
-        self._switch_to(dataclasses.replace(config, start_step=self.step))
 
     def _switch_to(self, config: TensorStatsConfig) -> None:
+        """The new configuration's hooks replace the running ones; one it cannot apply leaves them."""
         try:
             plan = self._plan(config)
         except ConfigError as error:
-            logger.error("mindmon: DYNAMIC_MONITOR: %s changed after step %d but %s; the running configuration "
-                         "stays", self.config_path, self.step - 1, error)
+            logger.error("mindmon: the configuration changed at step %d but %s; the running configuration stays",
+                         self.step, error)
             return
-        logger.info("mindmon: DYNAMIC_MONITOR: %s updated after step %d; collecting from step %d",
-                    self.config_path, self.step - 1, self.step)
+        logger.info("mindmon: configuration updated; collecting by it from step %d", self.step)
         self._apply(config, plan)
 
     def _record_before_update(self, inputs) -> None:
