@@ -49,7 +49,8 @@ def make_relu_model():
     return ReluMLP()
 
 
-def train(monitor_factory, steps, between_steps=None, train_mode=True, optimizer_to_monitor=True):
+def train(monitor_factory, steps, between_steps=None, train_mode=True, optimizer_to_monitor=True,
+          wrap_optimizer=False):
     """The msprobe user's loop on the ReLU model: `monitor_factory()` gives the TrainerMon;
     `between_steps(step)` runs after each step (to edit the config file). Returns the monitor."""
     import mindspore as ms
@@ -60,6 +61,8 @@ def train(monitor_factory, steps, between_steps=None, train_mode=True, optimizer
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=LR, beta1=BETA1, beta2=BETA2,
                                    weight_decay=WEIGHT_DECAY)
     monitor = monitor_factory()
+    if wrap_optimizer:   # kj600: the optimizer is given to the class before hook_modules
+        type(monitor).set_wrapped_optimizer(optimizer)
     if optimizer_to_monitor:
         monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
     else:

@@ -106,14 +106,18 @@ class TensorStatsConfig:
 
 def load_config_json(path: str, key_path: str = "") -> TensorStatsConfig:
     """Reads and validates an msprobe monitor config.json."""
+    return parse_tensor_stats(read_config_json(path, key_path), key_path)
+
+
+def read_config_json(path: str, key_path: str = ""):
+    """The JSON of a config file, unvalidated; a ConfigError when it cannot be read or parsed."""
     try:
         with open(path, encoding="utf-8") as file:
-            raw = json.load(file)
+            return json.load(file)
     except OSError as error:
         raise ConfigError(f"{key_path or 'config_file_path'}: cannot read {path!r} ({error.strerror})") from None
     except json.JSONDecodeError as error:
         raise ConfigError(f"{key_path or 'config_file_path'}: {path!r} is not valid JSON ({error})") from None
-    return parse_tensor_stats(raw, key_path)
 
 
 def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:

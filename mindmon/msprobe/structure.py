@@ -30,8 +30,6 @@ logger = logging.getLogger("mindmon")
 STRUCT_FOLDER = "module_struct"
 STRUCT_FILE = "module_struct.json"
 STACK_FILE = "stack_info.csv"
-_SKIPPED_PACKAGES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                          for m in (__import__("mindspore"), __import__("mindmon")))
 
 
 class StopTraining(SystemExit):
@@ -106,12 +104,21 @@ class StructHooks:
         self.handles.clear()
 
 
+def _skipped_packages() -> tuple:
+    import mindspore
+
+    import mindmon
+
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (mindspore, mindmon))
+
+
 def caller_frames(limit: int = 8) -> List[str]:
     """The calling code's frames, innermost first, without MindSpore's and mindmon's own."""
     frames = []
+    skipped = _skipped_packages()
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_SKIPPED_PACKAGES):
+        if path.startswith(skipped):
             continue
         frames.append(f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}")
         if len(frames) == limit:

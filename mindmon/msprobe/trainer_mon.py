@@ -176,14 +176,18 @@ class TrainerMon:
         from ..alerts.sink import build_alert_sink
 
         self.monitor = TensorStatsMonitor(self._ops, self.config.eps, self.on_host, self.rank)
-        self.sink = MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
-                                   self.config.significant_digits, self.config.append_output)
+        self.sink = self._make_sink()
         sinks = [self.sink] + self.extra_sinks
         if self.config.alert is not None and self.config.alert.active:
             sinks.append(build_alert_sink(self.config.alert, csv_output_root(), self.rank, logger,
                                           DataParallel(), path="alert")[0])
         self.group = MonitorGroup([self.monitor], sinks, self.rank, logger)
-        self.group.setup(start_step=start_iteration)
+        self.group.setup(start_step=start_iteration, micro_steps_per_step=self.grad_acc_steps)
+
+    def _make_sink(self) -> Sink:
+        """msprobe's CSV files (kj600's TrainerMon writes TensorBoard instead)."""
+        return MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
+                              self.config.significant_digits, self.config.append_output)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:
         """Switches activation collection on or off from the next hook call on (deprecated: dynamic on/off
