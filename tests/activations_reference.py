@@ -50,7 +50,7 @@ def make_relu_model():
 
 
 def train(monitor_factory, steps, between_steps=None, train_mode=True, optimizer_to_monitor=True,
-          wrap_optimizer=False):
+          wrap_optimizer=False, prepare=None):
     """The msprobe user's loop on the ReLU model: `monitor_factory()` gives the TrainerMon;
     `between_steps(step)` runs after each step (to edit the config file). Returns the monitor."""
     import mindspore as ms
@@ -58,6 +58,8 @@ def train(monitor_factory, steps, between_steps=None, train_mode=True, optimizer
 
     model = make_relu_model()
     model.set_train(train_mode)
+    if prepare is not None:
+        prepare(model)
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=LR, beta1=BETA1, beta2=BETA2,
                                    weight_decay=WEIGHT_DECAY)
     monitor = monitor_factory()

@@ -1,18 +1,17 @@
 """Activations (actv / actv_grad) on real MindSpore: every statistic of every row against a float64 numpy
 recomputation of the forward and backward passes; specs; training mode; forward_only / backward_only."""
 import glob
-import json
 import logging
 import os
 
 import numpy as np
 import pytest
 
-from activations_reference import output_root_for, run_config, activation_rows, train
+from activations_reference import activation_rows, output_root_for, run_config
 from msprobe_reference import K, statistic
 from mindmon.config import ConfigError
 from mindmon.formats.msprobe_csv import read_csv
-from mindmon.msprobe import TrainerMon, parse_tensor_stats
+from mindmon.msprobe import parse_tensor_stats
 
 OPS = ["min", "max", "mean", "norm", "zeros", "nans"]
 RTOL = 1e-5
@@ -92,10 +91,15 @@ def test_forward_only_and_backward_only(tmp_path, output_root, caplog):
     assert any("forward_only and backward_only are both true" in r.getMessage() for r in caplog.records)
 
 
-def test_only_cells_in_training_mode(tmp_path, output_root, caplog):
-    with caplog.at_level(logging.INFO, logger="mindmon"):
-        run(tmp_path, {"xy_distribution": True, "ops": ["norm"]}, steps=1, train_mode=False)
+def test_only_cells_in_training_mode(tmp_path, output_root):
+    run(tmp_path, {"xy_distribution": True, "ops": ["norm"]}, steps=1, train_mode=False)
     assert not glob.glob(str(output_root / "*" / "actv*.csv"))
+    # The model training, its fc2 in eval mode: every cell but fc2 has rows.
+    run(tmp_path, {"xy_distribution": True, "ops": ["norm"], "ndigits": 12}, steps=1,
+        prepare=lambda model: model.fc2.set_train(False))
+    rows = rows_of(output_root)
+    assert {key[3].split(".")[0] for key in rows} == {"", "fc1", "act"}
+    assert_statistics(rows, activation_rows(1))
 
 
 def test_spec_mismatch_is_an_error_naming_cell_spec_and_what_it_got(tmp_path, output_root, caplog):

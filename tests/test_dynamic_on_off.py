@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from activations_reference import output_root_for, run_config, train
+from activations_reference import output_root_for, train
 from mindmon.msprobe import TrainerMon
 
 BASE = {"targets": {}, "xy_distribution": True, "wg_distribution": True, "ops": ["norm"], "collect_times": 2,

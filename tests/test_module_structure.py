@@ -9,8 +9,7 @@ import os
 import pytest
 
 import activations_reference
-from activations_reference import output_root_for, run_config, train
-from mindmon.msprobe import TrainerMon
+from activations_reference import output_root_for, run_config
 from mindmon.msprobe.structure import StopTraining
 
 

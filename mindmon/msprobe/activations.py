@@ -27,7 +27,7 @@ gradient-accumulation loop).
 import logging
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..config import ConfigError, _describe
 from ..monitors.tensor_stats import ACTV, ACTV_GRAD
