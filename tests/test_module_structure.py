@@ -84,3 +84,29 @@ def test_micro_batch_gradients_beside_activations(tmp_path, output_root):
             assert abs(record.stat("norm") - want) <= 1e-5 * want + 1e-12, (key, record.stat("norm"), want)
     assert {(kind, s, k) for kind in ("actv", "actv_grad", "grad_unreduced") for s in range(2)
             for k in range(K)} <= seen
+
+
+def test_print_struct_ends_a_plain_script_with_status_0_and_no_traceback(tmp_path):
+    """The user's script does not catch StopTraining: the process ends cleanly, the message in the log."""
+    import subprocess
+    import sys
+
+    (tmp_path / "monitor_config.json").write_text(json.dumps({"print_struct": True}))
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import logging, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(activations_reference.__file__)!r})\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "import mindspore as ms\n"
+        "ms.set_context(mode=ms.PYNATIVE_MODE)\n"
+        "from activations_reference import run_config\n"
+        "import pathlib\n"
+        "run_config(pathlib.Path(sys.argv[1]), {'print_struct': True}, steps=3)\n"
+        "print('training went on')\n")
+    env = dict(os.environ, MONITOR_OUTPUT_DIR=str(tmp_path / "out"), PYTHONPATH=os.getcwd())
+    env.pop("DYNAMIC_MONITOR", None)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training went on" not in done.stdout and "Traceback" not in done.stderr
+    assert f"{tmp_path / 'out' / 'module_struct' / 'rank0' / 'module_struct.json'}" in done.stderr
