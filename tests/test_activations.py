@@ -129,3 +129,34 @@ def test_bad_specs_are_config_errors(targets, message):
 def test_spec_target_that_names_no_cell(tmp_path, output_root):
     with pytest.raises(ConfigError, match=r"^targets.fc9: names no cell"):
         run(tmp_path, {"xy_distribution": True, "targets": {"fc9": {"output": "tensor"}}}, steps=1)
+
+
+def test_generate_xy_metrics_mid_step(tmp_path, output_root):
+    """msprobe's generate_xy_metrics: the statistics gathered so far in the step, before the optimizer."""
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+
+    from activations_reference import make_relu_model
+    from msprobe_reference import batches
+    from mindmon.msprobe import TrainerMon
+
+    path = tmp_path / "monitor_config.json"
+    path.write_text('{"xy_distribution": true, "ops": ["norm", "min"]}')
+    model = make_relu_model()
+    model.set_train(True)
+    optimizer = nn.SGD(model.trainable_params(), 0.1)
+    monitor = TrainerMon(str(path), params_have_main_grad=False)
+    monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
+    x, y = batches()[0][0]
+    value_and_grad(lambda a, b: nn.MSELoss()(model(a), b) / K, None, optimizer.parameters)(ms.Tensor(x),
+                                                                                           ms.Tensor(y))
+    actv, actv_grad = monitor.generate_xy_metrics()
+    reference = activation_rows(1)
+    assert set(actv) == {".input", ".output", "fc1.input", "fc1.output", "act.input", "act.output", "fc2.input",
+                         "fc2.output"}
+    for table, kind in ((actv, "actv"), (actv_grad, "actv_grad")):
+        for name, values in table.items():
+            for op, value in values.items():
+                want = statistic(reference[(kind, 0, 0, name)], op)
+                assert abs(value - want) <= RTOL * abs(want) + 1e-12, (kind, name, op, value, want)
+    monitor.close()

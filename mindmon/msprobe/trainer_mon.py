@@ -230,6 +230,17 @@ class TrainerMon:
             tables[record.kind][record.name] = dict(zip(record.ops, record.value))
         return tables[GRAD_REDUCED], tables[GRAD_UNREDUCED]
 
+    def generate_xy_metrics(self) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
+        """Statistics of the activations collected so far in the current step: (actv, actv_grad), each
+        {row name: {op: value}}, a name seen in several micro-steps with its latest values."""
+        tables = {ACTV: {}, ACTV_GRAD: {}}
+        if self.monitor is not None:
+            for point, _, names, _, values in self.monitor.stats.results():
+                if point in tables:
+                    tables[point].update((name, dict(zip(self.monitor.ops, map(float, row))))
+                                         for name, row in zip(names, values))
+        return tables[ACTV], tables[ACTV_GRAD]
+
     def close(self) -> None:
         """Detach every hook (the optimizer and the parameters are as before set_monitor); close the
         files of a standalone TrainerMon."""
