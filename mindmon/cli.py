@@ -163,6 +163,15 @@ def _add_anomalies(commands) -> None:
     anomalies.set_defaults(handler=analyse.run)
 
 
+def _add_csv2tensorboard(commands) -> None:
+    from .msprobe import csv2tb
+
+    convert = commands.add_parser("csv2tensorboard", help="TensorBoard event files from msprobe monitor CSV files "
+                                  "(csv2tensorboard_by_step)")
+    csv2tb.add_arguments(convert)
+    convert.set_defaults(handler=csv2tb.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindmon", description="Training monitors for MindSpore/MindFormers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", default=None, help="event directory (default: RUN_DIR/tensorboard)")
     convert.set_defaults(handler=_to_tensorboard)
     _add_anomalies(commands)
+    _add_csv2tensorboard(commands)
     return parser
 
 

@@ -43,7 +43,9 @@ GRAD_UNREDUCED = "grad_unreduced"    # gradients before the data-parallel reduct
 GRAD_REDUCED = "grad_reduced"        # gradients the optimizer gets
 EXP_AVG = "exp_avg"                  # Adam's first moment, before the update
 EXP_AVG_SQ = "exp_avg_sq"            # Adam's second moment, before the update
-POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EXP_AVG_SQ)
+ACTV = "actv"                        # cells' forward inputs and outputs, per micro-step
+ACTV_GRAD = "actv_grad"              # gradients of those inputs and outputs, per micro-step
+POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EXP_AVG_SQ, ACTV, ACTV_GRAD)
 
 
 def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:

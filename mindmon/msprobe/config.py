@@ -23,12 +23,8 @@ logger = logging.getLogger("mindmon")
 # Keys msprobe documents for capabilities mindmon's tensor statistics do not implement; they are accepted
 # (a config.json written for msprobe keeps working) and, when they ask for something, say what is missing.
 LATER_CAPABILITIES = {
-    "xy_distribution": "activation monitoring", "all_xy": "activation monitoring",
-    "forward_only": "activation monitoring", "backward_only": "activation monitoring",
-    "dynamic_on": "dynamic on/off",
     "l2_targets": "L2 interpretable features", "recording_l2_features": "L2 interpretable features",
     "sa_order": "L2 interpretable features", "cc_distribution": "communication-operator monitoring",
-    "print_struct": "model-structure printing", "stack_info": "module stack capture",
     "ur_distribution": "update/ratio heat maps", "mg_direction": "gradient/momentum direction",
     "mg_distribution": "gradient/momentum direction",
 }
@@ -39,10 +35,14 @@ _DEFAULTS = {
     "monitor_mbs_grad": False, "ops": [], "eps": 1e-8, "ndigits": 6, "start_step": 0, "step_interval": 1,
     "collect_times": 100000000, "module_ranks": [], "format": "csv", "step_count_per_record": 1,
     "squash_name": False, "append_output": [], "significant_digits": False,
+    # Activations, module structure, stack capture and dynamic on/off (mindmon/msprobe/activations.py).
+    "xy_distribution": False, "all_xy": False, "forward_only": False, "backward_only": False,
+    "print_struct": False, "stack_info": False, "dynamic_on": False,
 }
 KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES)
 MAX_STEP_COUNT_PER_RECORD = 1000000
 ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
+XY_FLAGS = ("xy_distribution", "all_xy", "forward_only", "backward_only", "print_struct", "stack_info", "dynamic_on")
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,33 @@ class TensorStatsConfig:
     append_output: Tuple[str, ...] = ()     # () or (first, last) run-folder timestamps to append to
     significant_digits: bool = False        # mindmon's opt-in: ndigits counts significant digits
     alert: Any = None                       # mindmon.alerts.config.AlertConfig of the `alert` block
+    xy_distribution: bool = False           # actv / actv_grad: cells' inputs, outputs and their gradients
+    all_xy: bool = False                    # every cell (cells in xy_specs keep their specs)
+    forward_only: bool = False
+    backward_only: bool = False
+    xy_specs: Dict[str, Any] = field(default_factory=dict)  # cell name -> {input/output/...: Spec or None}
+    print_struct: bool = False              # write module_struct.json after step 0, then stop training
+    stack_info: bool = False                # stack_info.csv: where each cell was called, first step
+    dynamic_on: bool = False                # with DYNAMIC_MONITOR=True: switch monitoring on
     later: Dict[str, Any] = field(default_factory=dict)  # keys of later capabilities, as given
 
     @property
     def active(self) -> bool:
+        return (self.param_distribution or self.wg_distribution or self.mv_distribution or self.collects_activations
+                or self.print_struct or self.stack_info)
+
+    @property
+    def collects_activations(self) -> bool:
+        """xy_distribution, unless forward_only and backward_only are both set (then nothing is collected)."""
+        return self.xy_distribution and not (self.forward_only and self.backward_only)
+
+    @property
+    def collects_parameters(self) -> bool:
         return self.param_distribution or self.wg_distribution or self.mv_distribution
+
+    def finished(self, step: int) -> bool:
+        """No step from `step` (0-based) on is collected any more: collect_times is reached."""
+        return (step - self.start_step) // self.step_interval >= self.collect_times
 
     def selects_rank(self, rank: int) -> bool:
         return not self.module_ranks or rank in self.module_ranks
@@ -84,14 +106,18 @@ class TensorStatsConfig:
 
 def load_config_json(path: str, key_path: str = "") -> TensorStatsConfig:
     """Reads and validates an msprobe monitor config.json."""
+    return parse_tensor_stats(read_config_json(path, key_path), key_path)
+
+
+def read_config_json(path: str, key_path: str = ""):
+    """The JSON of a config file, unvalidated; a ConfigError when it cannot be read or parsed."""
     try:
         with open(path, encoding="utf-8") as file:
-            raw = json.load(file)
+            return json.load(file)
     except OSError as error:
         raise ConfigError(f"{key_path or 'config_file_path'}: cannot read {path!r} ({error.strerror})") from None
     except json.JSONDecodeError as error:
         raise ConfigError(f"{key_path or 'config_file_path'}: {path!r} is not valid JSON ({error})") from None
-    return parse_tensor_stats(raw, key_path)
 
 
 def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
@@ -108,20 +134,24 @@ def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
     _check_later(path, later)
     flags = {key: _bool(_key(path, key), raw[key]) for key in
              ("param_distribution", "wg_distribution", "mv_distribution", "monitor_mbs_grad",
-              "squash_name", "significant_digits")}
+              "squash_name", "significant_digits") + XY_FLAGS}
+    from .activations import parse_xy_specs, warn_forward_and_backward_only
+
+    warn_forward_and_backward_only(path, flags)
     return TensorStatsConfig(
         targets=_targets(_key(path, "targets"), raw["targets"]), ops=_ops(_key(path, "ops"), raw["ops"]),
         eps=_positive_number(_key(path, "eps"), raw["eps"]),
         ndigits=_int_in(_key(path, "ndigits"), raw["ndigits"], 0, 30),
         start_step=_int_in(_key(path, "start_step"), raw["start_step"], 0, None),
         step_interval=_int_in(_key(path, "step_interval"), raw["step_interval"], 1, None),
-        collect_times=_int_in(_key(path, "collect_times"), raw["collect_times"], 1, None),
+        collect_times=_int_in(_key(path, "collect_times"), raw["collect_times"], 0, None),
         module_ranks=_ranks(_key(path, "module_ranks"), raw["module_ranks"]),
         format=_format(_key(path, "format"), raw["format"]),
         step_count_per_record=_int_in(_key(path, "step_count_per_record"), raw["step_count_per_record"],
                                       1, MAX_STEP_COUNT_PER_RECORD),
         append_output=_append_output(_key(path, "append_output"), raw["append_output"]),
-        alert=_alert(path, section.get("alert")), later=later, **flags)
+        alert=_alert(path, section.get("alert")), later=later,
+        xy_specs=parse_xy_specs(_key(path, "targets"), raw["targets"]), **flags)
 
 
 def _alert(path: str, section: Any):

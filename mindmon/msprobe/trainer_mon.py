@@ -18,7 +18,9 @@ What it hooks, on this optimizer instance and these parameters only (never a cla
 From a MindFormers YAML (`monitor.tensor_stats`), `TrainerMon.feeding(config, group)` makes the same
 hooks record into the run's MonitorGroup, which the trainer flushes with every other record.
 """
+import dataclasses
 import logging
+import os
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -26,13 +28,16 @@ from ..config import ConfigError, _is_int
 from ..distributed import DataParallel
 from ..engine import Sink
 from ..group import MonitorGroup
-from ..monitors.tensor_stats import (EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN,
+from ..monitors.tensor_stats import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED, PARAM_ORIGIN,
                                      PARAM_UPDATED, TensorStatsMonitor)
 from ..sinks.csv import MsprobeCsvSink
 from ..stats import host_is_device
 from .accumulate import GradientSums
 from ..formats.msprobe_csv import output_root as csv_output_root
+from .activations import ActivationHooks, MicroSteps, check_spec_targets, root_forward_counter
 from .config import TensorStatsConfig, _ops, load_config_json
+from .dynamic import ConfigWatcher, dynamic_mode
+from .structure import StackHooks, StopTraining, StructHooks
 from .targets import find_moments, optimizer_parameters, select_parameters
 
 logger = logging.getLogger("mindmon")
@@ -47,6 +52,7 @@ class TrainerMon:
             warnings.warn("TrainerMon(opt_ty=...) is deprecated and ignored: the optimizer type is read from "
                           "the optimizer given to set_monitor", DeprecationWarning, stacklevel=2)
         self._setup(load_config_json(config_file_path), [])
+        self.config_path = config_file_path
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
 
@@ -56,6 +62,7 @@ class TrainerMon:
         """A TrainerMon from an already parsed configuration, writing to the CSV sink and to `sinks` too."""
         monitor = cls.__new__(cls)
         monitor._setup(config, list(sinks))
+        monitor.config_path = None
         monitor.process_group = None
         monitor.params_have_main_grad = params_have_main_grad
         return monitor
@@ -100,27 +107,65 @@ class TrainerMon:
 
     def set_monitor(self, model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None,
                     start_iteration: int = 0) -> None:
-        """Attach to `model`'s parameters and this `optimizer` instance. Checks everything before training."""
+        """Attach to `model`'s cells and parameters and this `optimizer` instance. Checks everything before
+        training. With DYNAMIC_MONITOR=True only the step-end hook is attached until config.json says
+        `dynamic_on: true` (mindmon/msprobe/dynamic.py)."""
         for key, value, low in (("grad_acc_steps", grad_acc_steps, 1), ("start_iteration", start_iteration, 0)):
             if not _is_int(value) or value < low:
                 raise ConfigError(f"{key}: got {value!r}; allowed: an int >= {low}")
         if self.monitor is not None:
             raise RuntimeError("set_monitor was already called on this TrainerMon; make one TrainerMon per run")
-        if not self.config.active or not self.config.selects_rank(self.rank):
+        self._dynamic = ConfigWatcher(self.config_path) if dynamic_mode() and self.config_path else None
+        if self._dynamic is None and (not self.config.active or not self.config.selects_rank(self.rank)):
             logger.info("mindmon: TrainerMon collects nothing on rank %d (no *_distribution switched on, or the "
                         "rank is not in module_ranks)", self.rank)
             return
-        parameters = optimizer_parameters(optimizer)
-        self.grad_acc_steps = grad_acc_steps
-        self.parameters = parameters
-        self.selected = select_parameters(model, parameters, self.config.targets, self.config.squash_name)
-        self.moments = self._moments(optimizer, len(parameters))
-        self._keep_grads = _keeps_reduced_gradients(dp_group, tp_group, parameters, self.selected)
+        self.model, self.grad_acc_steps = model, grad_acc_steps
+        self._groups = (dp_group, tp_group)
+        self.parameters = optimizer_parameters(optimizer) if optimizer is not None else ()
+        self._optimizer = optimizer
+        plan = self._plan(self.config) if self._dynamic is None else None
         self.step = start_iteration
         self._build_group(start_iteration)
-        self._attach(optimizer)
-        logger.info("mindmon: TrainerMon collects %s for %d parameters%s", self._points(), len(self.selected),
-                    f" into {self.sink.folder}" if self.sink is not None else "")
+        self._attach_control(model, optimizer)
+        if plan is not None:
+            self._apply(self.config, plan)
+        else:
+            logger.info("mindmon: DYNAMIC_MONITOR=True: monitoring starts the step after %s says dynamic_on: true",
+                        self.config_path)
+
+    def _plan(self, config: TensorStatsConfig) -> dict:
+        """What a configuration selects on this model and optimizer; a ConfigError when it cannot apply."""
+        plan = {"selected": [], "moments": None, "keep_grads": {}}
+        if config.collects_parameters:
+            if not self.parameters:
+                raise ConfigError("optimizer: got None; allowed: the optimizer, for param_distribution, "
+                                  "wg_distribution and mv_distribution")
+            plan["selected"] = select_parameters(self.model, self.parameters, config.targets, config.squash_name)
+            plan["moments"] = self._moments(config, self._optimizer, len(self.parameters))
+            plan["keep_grads"] = _keeps_reduced_gradients(*self._groups, self.parameters, plan["selected"])
+        if config.collects_activations:
+            check_spec_targets(self.model, config)
+        return plan
+
+    def _apply(self, config: TensorStatsConfig, plan: dict) -> None:
+        """Makes `config` the running configuration: its hooks attached, those of the previous one detached."""
+        self._detach_capabilities()
+        self.config = config
+        self.selected, self.moments, self._keep_grads = plan["selected"], plan["moments"], plan["keep_grads"]
+        self._running = config.active and config.selects_rank(self.rank)
+        if not self._running:
+            return
+        self._ops = config.ops
+        self.monitor.ops = config.ops
+        if self.sink is not None:
+            self.sink.ndigits, self.sink.significant_digits = config.ndigits, config.significant_digits
+            self.sink.step_count_per_record = config.step_count_per_record
+        # print_struct collects nothing else: its run ends after step 0.
+        self._collecting = config.collects(self.step) and not config.print_struct
+        self._attach_capabilities(config)
+        logger.info("mindmon: TrainerMon collects %s for %d parameters and %d cells%s", self._points(),
+                    len(self.selected), self._hooked_cells, f" into {self.sink.folder}" if self.sink else "")
 
     def _build_group(self, start_iteration: int) -> None:
         """Standalone: a group of its own (the statistics monitor; the CSV, alert and extra sinks).
@@ -131,14 +176,31 @@ class TrainerMon:
         from ..alerts.sink import build_alert_sink
 
         self.monitor = TensorStatsMonitor(self._ops, self.config.eps, self.on_host, self.rank)
-        self.sink = MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
-                                   self.config.significant_digits, self.config.append_output)
+        self.sink = self._make_sink()
         sinks = [self.sink] + self.extra_sinks
         if self.config.alert is not None and self.config.alert.active:
             sinks.append(build_alert_sink(self.config.alert, csv_output_root(), self.rank, logger,
                                           DataParallel(), path="alert")[0])
         self.group = MonitorGroup([self.monitor], sinks, self.rank, logger)
-        self.group.setup(start_step=start_iteration)
+        self.group.setup(start_step=start_iteration, micro_steps_per_step=self.grad_acc_steps)
+
+    def _make_sink(self) -> Sink:
+        """msprobe's CSV files (kj600's TrainerMon writes TensorBoard instead)."""
+        return MsprobeCsvSink(None, self.config.ndigits, self.config.step_count_per_record,
+                              self.config.significant_digits, self.config.append_output)
+
+    def reload_xy(self, xy_distribution: bool = False) -> None:
+        """Switches activation collection on or off from the next hook call on (deprecated: dynamic on/off
+        does this and more)."""
+        warnings.warn("TrainerMon.reload_xy is deprecated: use dynamic on/off (DYNAMIC_MONITOR=True and "
+                      "dynamic_on in config.json)", DeprecationWarning, stacklevel=2)
+        config = dataclasses.replace(self.config, xy_distribution=bool(xy_distribution))
+        if self.monitor is None:
+            logger.warning("mindmon: reload_xy(%s) before set_monitor attached anything: it takes effect when "
+                           "set_monitor is called", xy_distribution)
+            self.config = config
+            return
+        self._switch_to(config)
 
     def set_wrapped_optimizer(self, optimizer) -> None:
         warnings.warn("TrainerMon.set_wrapped_optimizer is deprecated: pass the optimizer to set_monitor",
@@ -168,9 +230,22 @@ class TrainerMon:
             tables[record.kind][record.name] = dict(zip(record.ops, record.value))
         return tables[GRAD_REDUCED], tables[GRAD_UNREDUCED]
 
+    def generate_xy_metrics(self) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
+        """Statistics of the activations collected so far in the current step: (actv, actv_grad), each
+        {row name: {op: value}}, a name seen in several micro-steps with its latest values."""
+        tables = {ACTV: {}, ACTV_GRAD: {}}
+        if self.monitor is not None:
+            for point, _, names, _, values in self.monitor.stats.results():
+                if point in tables:
+                    tables[point].update((name, dict(zip(self.monitor.ops, map(float, row))))
+                                         for name, row in zip(names, values))
+        return tables[ACTV], tables[ACTV_GRAD]
+
     def close(self) -> None:
         """Detach every hook (the optimizer and the parameters are as before set_monitor); close the
         files of a standalone TrainerMon."""
+        if hasattr(self, "_sums"):   # attached
+            self._detach_capabilities()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -179,8 +254,8 @@ class TrainerMon:
 
     # --- attaching ------------------------------------------------------------------------------------
 
-    def _moments(self, optimizer, count: int):
-        if not self.config.mv_distribution:
+    def _moments(self, config: TensorStatsConfig, optimizer, count: int):
+        if not config.mv_distribution:
             return None
         moments = find_moments(optimizer, count)
         if moments is None:
@@ -194,16 +269,54 @@ class TrainerMon:
         c = self.config
         return ([PARAM_ORIGIN, PARAM_UPDATED] if c.param_distribution else []) + \
             ([GRAD_UNREDUCED, GRAD_REDUCED] if c.wg_distribution else []) + \
-            ([EXP_AVG, EXP_AVG_SQ] if c.mv_distribution else [])
+            ([EXP_AVG, EXP_AVG_SQ] if c.mv_distribution else []) + \
+            ([p for p, off in ((ACTV, c.backward_only), (ACTV_GRAD, c.forward_only)) if not off]
+             if c.collects_activations else []) + \
+            (["module_struct"] if c.print_struct else []) + (["stack_info"] if c.stack_info else [])
 
-    def _attach(self, optimizer) -> None:
-        self._collecting = self.config.collects(self.step)
+    def _attach_control(self, model, optimizer) -> None:
+        """The hooks that stay for the whole run: the step end (the optimizer call; without an optimizer,
+        every grad_acc_steps forwards of the model) and the micro-step count (the model's forwards)."""
+        self._running, self._collecting = False, False
         self._sums = GradientSums(self.on_host, self.config.monitor_mbs_grad, self._record_micro_gradient)
+        self._micro_steps = MicroSteps()
+        self._capability_handles: List = []
+        self._activations = self._struct = self._stacks = None
+        self._hooked_cells = 0
         # The optimizer first: it is the hook that can be refused, and then nothing is left attached.
-        self._handles += _hook_optimizer_calls(optimizer, self._before_update, self._after_update)
-        if self.config.wg_distribution:
+        if optimizer is not None:
+            self._handles += _hook_optimizer_calls(optimizer, self._before_update, self._after_update)
+        by_forwards = self._end_step_by_forwards if optimizer is None else None
+        self._handles.append(root_forward_counter(model, self._micro_steps, by_forwards))
+
+    def _attach_capabilities(self, config: TensorStatsConfig) -> None:
+        if config.print_struct:   # the structure only: what msprobe users run first, to write their targets
+            self._struct = StructHooks()
+            self._struct.attach(self.model)
+            return
+        self._sums.per_micro_batch = config.monitor_mbs_grad
+        if config.wg_distribution:
             for index, name in self.selected:
-                self._handles.append(self.parameters[index].register_hook(self._gradient_hook(index, name)))
+                hook = self.parameters[index].register_hook(self._gradient_hook(index, name))
+                self._capability_handles.append(hook)
+        if config.collects_activations:
+            self._activations = ActivationHooks(config, self._record_activations, lambda: self._collecting,
+                                                self._micro_steps, self._guard)
+            self._hooked_cells = self._activations.attach(self.model)
+        if config.stack_info:
+            self._stacks = StackHooks()
+            self._stacks.attach(self.model, lambda: self._collecting)
+
+    def _detach_capabilities(self) -> None:
+        for handle in getattr(self, "_capability_handles", ()):
+            handle.remove()
+        self._capability_handles = []
+        for hooks in (self._activations, self._struct, self._stacks):
+            if hooks is not None:
+                hooks.detach()
+        self._activations = self._struct = self._stacks = None
+        self._hooked_cells = 0
+        self._running = self._collecting = False
 
     def _gradient_hook(self, index: int, name: str):
         def hook(grad):
@@ -214,6 +327,9 @@ class TrainerMon:
     def _record_micro_gradient(self, name: str, grad, micro_step: int) -> None:
         self.group.record(GRAD_UNREDUCED, [(name, grad)], {"micro_step": micro_step})
 
+    def _record_activations(self, point: str, named_tensors, micro_step: int) -> None:
+        self.group.record(point, named_tensors, {"micro_step": micro_step})
+
     # --- one step -------------------------------------------------------------------------------------
 
     def _before_update(self, cell, inputs) -> None:
@@ -223,9 +339,69 @@ class TrainerMon:
     def _after_update(self, cell, inputs, output) -> None:
         if self._collecting:
             self._guard(self._finish_step)
+        self._end_step_hooks()
         self.step += 1
-        self._collecting = self.config.collects(self.step)
         self._sums.clear()
+        self._micro_steps.end_step()
+        if self._struct is not None:
+            self._stop_after_structure()
+        self._next_configuration()
+        self._collecting = self._running and self.config.collects(self.step)
+
+    def _end_step_by_forwards(self) -> None:
+        """Without an optimizer (kj600's hook_modules): a step ends when the model starts its forward
+        number grad_acc_steps + 1."""
+        if self._micro_steps.forwards == self.grad_acc_steps:
+            self._after_update(None, (), None)
+
+    def _end_step_hooks(self) -> None:
+        if self._activations is not None:
+            self._activations.end_step()
+        if self._stacks is not None and self._stacks.stacks:
+            folder = self.sink.folder if self.sink is not None else os.path.join(csv_output_root(), "stack_info")
+            self._guard(self._stacks.write, folder)
+            self._stacks.detach()
+            self._stacks = None
+
+    def _stop_after_structure(self) -> None:
+        struct = self._struct
+        path = struct.write(csv_output_root(), self.rank)
+        self.close()
+        message = (f"mindmon: print_struct: the structure of {len(struct.struct)} cells is in {path}; "
+                   f"training stops after step 1 as print_struct asks (set it to false to train)")
+        logger.warning(message)
+        raise StopTraining(message)
+
+    def _next_configuration(self) -> None:
+        """Dynamic mode: an edited config.json applies from the next step. Both modes: every capability
+        hook is detached once collect_times is reached (dynamic mode also writes dynamic_on: false)."""
+        if self._dynamic is not None:
+            config = self._dynamic.poll(self.step - 1)
+            if config is not None and not config.dynamic_on:
+                if self._running:
+                    logger.info("mindmon: DYNAMIC_MONITOR: dynamic_on is false; monitoring stops after step %d",
+                                self.step - 1)
+                self._detach_capabilities()
+                return
+            if config is not None:
+                self._switch_to(dataclasses.replace(config, start_step=self.step))
+        if self._running and self.config.finished(self.step):
+            logger.info("mindmon: TrainerMon reached collect_times (%d) before step %d; its hooks are detached",
+                        self.config.collect_times, self.step)
+            self._detach_capabilities()
+            if self._dynamic is not None:
+                self._dynamic.switch_off()
+
+    def _switch_to(self, config: TensorStatsConfig) -> None:
+        """The new configuration's hooks replace the running ones; one it cannot apply leaves them."""
+        try:
+            plan = self._plan(config)
+        except ConfigError as error:
+            logger.error("mindmon: the configuration changed at step %d but %s; the running configuration stays",
+                         self.step, error)
+            return
+        logger.info("mindmon: configuration updated; collecting by it from step %d", self.step)
+        self._apply(config, plan)
 
     def _record_before_update(self, inputs) -> None:
         config, monitor = self.config, self.group
@@ -242,7 +418,8 @@ class TrainerMon:
     def _finish_step(self) -> None:
         if self.config.param_distribution:
             self.group.record(PARAM_UPDATED, [(name, self.parameters[i]) for i, name in self.selected])
-        self._sums.check_count(self.grad_acc_steps, self.step)
+        if self.config.wg_distribution:
+            self._sums.check_count(self.grad_acc_steps, self.step)
         if self.owns_group:
             self.group.flush(self.step + 1)  # records count steps from 1; the CSV writes step 0
 

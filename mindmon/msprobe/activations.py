@@ -1,0 +1,253 @@
+"""Activation statistics (`xy_distribution`): each monitored cell's forward inputs and outputs (`actv`) and
+their gradients (`actv_grad`), per micro-step, through Cell forward and backward hooks.
+
+Which cells: `xy_distribution` on, then
+  - a cell named in `targets` with specs collects what its specs name (`{}` = everything);
+  - with `all_xy`, or with empty `targets`, every other cell collects everything;
+  - `forward_only` drops the gradients, `backward_only` the forward tensors (both: nothing, a warning).
+Only cells in training mode (`cell.training`) are collected.
+
+Specs (`targets: {"layers.0": {"input": "tuple[2]:0", "output": "tensor", ...}}`), per key
+`input`, `output`, `input_grad`, `output_grad`:
+    "tensor"       the value is one tensor (a hook's argument tuple holding exactly one tensor counts)
+    "tuple[N]"     a tuple of N elements: every tensor in it
+    "tuple[N]:i"   a tuple of N elements: element i (a tensor)
+A cell whose value does not match its spec is reported once (an error naming the cell, the key, the spec
+and what the cell got) and that hook is detached at the step end; the rest of the run goes on.
+
+Row names: `<cell>.input` / `<cell>.output` (the root cell's name is empty: `.input`), `<cell>.input_<i>`
+for element i of a value holding several; `actv_grad` uses the same names for the gradients of the same
+tensors, so `.input_1` in both files is one tensor. A gradient MindSpore does not compute (an input that
+is not differentiated) is None and has no row.
+
+Micro-steps: the root cell's forward pre-hook counts its calls in the step (0, 1, ... K-1); backward hooks
+use the count of the forward they follow (forward and backward of a micro-batch run together, as in a
+gradient-accumulation loop).
+"""
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..config import ConfigError, _describe
+from ..monitors.tensor_stats import ACTV, ACTV_GRAD
+
+logger = logging.getLogger("mindmon")
+
+FORWARD_KEYS = ("input", "output")
+BACKWARD_KEYS = ("input_grad", "output_grad")
+SPEC_KEYS = FORWARD_KEYS + BACKWARD_KEYS
+_ROW_NAME = {"input": "input", "output": "output", "input_grad": "input", "output_grad": "output"}
+_SPEC = re.compile(r"^(?:(?P<tensor>tensor)|tuple\[(?P<length>\d+)\](?::(?P<index>\d+))?)$")
+_ALLOWED = "'tensor', 'tuple[N]' or 'tuple[N]:i' with i < N"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One parsed spec: `length` None = "tensor"; `index` None = every element."""
+
+    text: str
+    length: Optional[int] = None
+    index: Optional[int] = None
+
+
+class SpecMismatch(Exception):
+    """A cell's value does not have the shape its spec says."""
+
+
+def parse_spec(path: str, value) -> Spec:
+    match = _SPEC.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{path}: got {_describe(value)}; allowed: {_ALLOWED}")
+    if match.group("tensor"):
+        return Spec(value)
+    length = int(match.group("length"))
+    index = None if match.group("index") is None else int(match.group("index"))
+    if length < 1 or (index is not None and index >= length):
+        raise ConfigError(f"{path}: got {value!r}; allowed: {_ALLOWED}")
+    return Spec(value, length, index)
+
+
+def parse_xy_specs(path: str, targets) -> Dict[str, Dict[str, Optional[Spec]]]:
+    """The targets that carry specs: {cell: {key: Spec}}; a target `{}` maps to every key (None = all)."""
+    specs = {}
+    for name, entry in (targets or {}).items():
+        if not isinstance(entry, dict) or not entry:
+            continue
+        unknown = [key for key in entry if key not in SPEC_KEYS]
+        if unknown:
+            raise ConfigError(f"{path}.{name}.{unknown[0]}: unknown key; allowed keys: {list(SPEC_KEYS)}")
+        specs[name] = {key: parse_spec(f"{path}.{name}.{key}", text) for key, text in entry.items()}
+    return specs
+
+
+def warn_forward_and_backward_only(path: str, flags: Dict[str, bool]) -> None:
+    if flags.get("xy_distribution") and flags.get("forward_only") and flags.get("backward_only"):
+        prefix = f"{path}." if path else ""
+        logger.warning("mindmon: %sforward_only and %sbackward_only are both true: no activations are collected",
+                       prefix, prefix)
+
+
+def is_tensor(value) -> bool:
+    from mindspore import Tensor
+
+    return isinstance(value, Tensor)
+
+
+def describe_value(value) -> str:
+    """What a hook got, in spec words: `tensor`, `tuple[2] (Tensor, NoneType)`."""
+    if is_tensor(value):
+        return "tensor"
+    if isinstance(value, (tuple, list)):
+        return f"tuple[{len(value)}] ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+def select(spec: Optional[Spec], value) -> List[Tuple[Optional[int], object]]:
+    """(position or None, element) pairs the spec picks; position is given when the value holds several."""
+    items = list(value) if isinstance(value, (tuple, list)) else None
+    if spec is None:
+        if items is None:
+            return [(None, value)]
+        return [(None, items[0])] if len(items) == 1 else list(enumerate(items))
+    if spec.length is None:
+        if items is None and is_tensor(value):
+            return [(None, value)]
+        if items is not None and len(items) == 1 and is_tensor(items[0]):
+            return [(None, items[0])]
+        raise SpecMismatch()
+    if items is None or len(items) != spec.length:
+        raise SpecMismatch()
+    if spec.index is None:
+        return [(None, items[0])] if spec.length == 1 else list(enumerate(items))
+    chosen = items[spec.index]
+    if chosen is not None and not is_tensor(chosen):
+        raise SpecMismatch()
+    return [(None, chosen)]
+
+
+def named_tensors(cell: str, key: str, spec: Optional[Spec], value) -> List[Tuple[str, object]]:
+    """The rows one key of one cell gives: tensors only (None gradients and non-tensor arguments have none)."""
+    base = f"{cell}.{_ROW_NAME[key]}"
+    return [(base if position is None else f"{base}_{position}", item)
+            for position, item in select(spec, value) if is_tensor(item)]
+
+
+def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
+    """{key: spec} this cell collects ({} = not monitored)."""
+    if name in config.xy_specs:
+        plan = dict(config.xy_specs[name])
+    elif config.all_xy or not config.targets or name in config.targets:
+        plan = dict.fromkeys(SPEC_KEYS)
+    else:
+        plan = {}
+    dropped = FORWARD_KEYS if config.backward_only else BACKWARD_KEYS if config.forward_only else ()
+    return {key: spec for key, spec in plan.items() if key not in dropped}
+
+
+def check_spec_targets(model, config) -> None:
+    """Every target with specs names a cell of the model (checked before training)."""
+    cells = {name for name, _ in model.cells_and_names()}
+    for name in config.xy_specs:
+        if name not in cells:
+            examples = sorted(cells)[:6]
+            raise ConfigError(f"targets.{name}: names no cell of the model, but carries activation specs; allowed: "
+                              f"cell names from cells_and_names(), such as {examples}")
+
+
+class MicroSteps:
+    """Micro-step of the current forward: the root cell's forward calls in this step, from 0."""
+
+    def __init__(self):
+        self.forwards = 0
+
+    @property
+    def current(self) -> int:
+        return max(self.forwards - 1, 0)
+
+    def begin_forward(self) -> None:
+        self.forwards += 1
+
+    def end_step(self) -> None:
+        self.forwards = 0
+
+
+class ActivationHooks:
+    """Forward and backward hooks on the monitored cells; `record(point, named_tensors, micro_step)`
+    gets the tensors. `collecting()` says whether this step is collected (no work otherwise)."""
+
+    def __init__(self, config, record: Callable, collecting: Callable[[], bool], micro_steps: MicroSteps,
+                 guard: Callable):
+        self.config = config
+        self.record = record
+        self.collecting = collecting
+        self.micro_steps = micro_steps
+        self.guard = guard
+        self.handles: Dict[Tuple[str, str], object] = {}
+        self._mismatched: List[Tuple[str, str]] = []
+
+    def attach(self, model) -> int:
+        """Hooks every monitored cell; returns how many."""
+        count = 0
+        for name, cell in model.cells_and_names():
+            plan = cell_plan(name, self.config)
+            forward = {k: s for k, s in plan.items() if k in FORWARD_KEYS}
+            backward = {k: s for k, s in plan.items() if k in BACKWARD_KEYS}
+            if forward:
+                self.handles[(name, "forward")] = cell.register_forward_hook(self._forward_hook(name, forward))
+            if backward:
+                self.handles[(name, "backward")] = cell.register_backward_hook(self._backward_hook(name, backward))
+            count += bool(plan)
+        return count
+
+    def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
+        def hook(cell, inputs, output):
+            if cell.training and self.collecting():
+                self.guard(self._collect, name, "forward", ACTV, plan, {"input": inputs, "output": output})
+        return hook
+
+    def _backward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
+        def hook(cell, grad_input, grad_output):
+            if cell.training and self.collecting():
+                self.guard(self._collect, name, "backward", ACTV_GRAD, plan,
+                           {"input_grad": grad_input, "output_grad": grad_output})
+        return hook
+
+    def _collect(self, name: str, direction: str, point: str, plan, values) -> None:
+        if (name, direction) in self._mismatched:
+            return
+        rows = []
+        for key, spec in plan.items():
+            try:
+                rows += named_tensors(name, key, spec, values[key])
+            except SpecMismatch:
+                self._mismatched.append((name, direction))
+                logger.error("mindmon: targets.%s.%s is %r, but the cell %r got %s; its %s activations are not "
+                             "collected (fix the spec; print_struct shows what each cell gets)", name, key, spec.text,
+                             name, describe_value(values[key]), direction)
+                return
+        self.record(point, rows, self.micro_steps.current)
+
+    def end_step(self) -> None:
+        """Detaches hooks whose spec did not match (not from inside a hook: MindSpore is iterating them)."""
+        for key in self._mismatched:
+            handle = self.handles.pop(key, None)
+            if handle is not None:
+                handle.remove()
+
+    def detach(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+
+
+def root_forward_counter(model, micro_steps: MicroSteps, on_new_forward: Optional[Callable] = None):
+    """The root cell's forward pre-hook that counts micro-steps (only forwards in training mode)."""
+    def hook(cell, inputs):
+        if cell.training:
+            if on_new_forward is not None:
+                on_new_forward()
+            micro_steps.begin_forward()
+    return model.register_forward_pre_hook(hook)
+
+

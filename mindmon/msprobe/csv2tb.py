@@ -1,0 +1,115 @@
+"""msprobe's `csv2tensorboard_by_step`: TensorBoard event files from the monitor's CSV files, and the
+`mindmon csv2tensorboard` command.
+
+    csv2tensorboard_by_step("./monitor_output", "Dec03_21-34-40", "Dec03_21-34-42", process_num=2,
+                            data_type_list=["actv", "grad_reduced"], output_dirpath="./tb")
+
+Converts every run folder `<MonDD_HH-MM-SS>-rank<r>-<id>` under `monitor_path` whose timestamp lies in
+[time_start, time_end] (both included) into `<output_dirpath>/rank_<r>/events.out.tfevents.*` (default
+output: `./<MonDD_HH-MM-SS>_csv2tensorboard_by_step`, the current time). Tags `<data type>/<name>/<op>`
+(`actv/fc1.output/norm`), the same as mindmon's live TensorBoard sink: per-step rows against the step
+(CSV step + 1), per-micro-step rows (`micro_step` column) against the global micro-step
+(CSV step * K + micro_step, K = the largest micro_step + 1 in the folder). `process_num` folders are
+converted at once, each in its own process.
+"""
+import glob
+import os
+import re
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime
+from itertools import groupby
+from typing import List, Optional, Sequence, Tuple
+
+from ..formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT, read_csv
+
+DATA_TYPES = ("actv", "actv_grad", "exp_avg", "exp_avg_sq", "grad_unreduced", "grad_reduced", "param_origin",
+              "param_updated")
+_FOLDER = re.compile(r"^(?P<stamp>\w{3}\d\d_\d\d-\d\d-\d\d)-rank(?P<rank>\d+)-\w+$")
+_CSV = re.compile(r"^(?P<prefix>.+)_\d+-\d+\.csv$")
+
+
+def run_folders(monitor_path: str, time_start: str, time_end: str) -> List[Tuple[int, str]]:
+    """(rank, folder) of the run folders whose timestamp is in [time_start, time_end]."""
+    low, high = (_stamp(value, name) for value, name in ((time_start, "time_start"), (time_end, "time_end")))
+    found = []
+    for entry in sorted(os.listdir(monitor_path)):
+        match = _FOLDER.match(entry)
+        if match and low <= datetime.strptime(match.group("stamp"), RUN_FOLDER_TIME_FORMAT) <= high:
+            found.append((int(match.group("rank")), os.path.join(monitor_path, entry)))
+    return found
+
+
+def _stamp(value: str, name: str) -> datetime:
+    try:
+        return datetime.strptime(value, RUN_FOLDER_TIME_FORMAT)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: got {value!r}; allowed: a run-folder timestamp like 'Dec03_21-34-40'") from None
+
+
+def convert_folder(rank: int, folder: str, data_types: Sequence[str], output_dirpath: str) -> str:
+    """One run folder's CSV files of `data_types` into `<output_dirpath>/rank_<rank>/`; returns that path."""
+    from ..engine import RunInfo
+    from ..sinks.tensorboard import TensorBoardSink
+
+    records = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):
+        match = _CSV.match(os.path.basename(path))
+        if match and match.group("prefix") in data_types:
+            records += read_csv(path, rank)
+    micro = max((r.micro_step + 1 for r in records if r.micro_step is not None), default=1)
+    sink = TensorBoardSink(output_dirpath)
+    sink.open(RunInfo(rank, micro_steps_per_step=micro))
+    records.sort(key=lambda r: r.step)
+    for _, step_records in groupby(records, key=lambda r: r.step):
+        sink.write(list(step_records))
+    sink.close()
+    return sink.log_dir
+
+
+def csv2tensorboard_by_step(monitor_path: str, time_start: str, time_end: str, process_num: int = 1,
+                            data_type_list: Optional[Sequence[str]] = None, output_dirpath: Optional[str] = None
+                            ) -> List[str]:
+    """Converts the run folders in the time range; returns the event directories written."""
+    data_types = tuple(data_type_list) if data_type_list else DATA_TYPES
+    unknown = [t for t in data_types if t not in DATA_TYPES]
+    if unknown:
+        raise ValueError(f"data_type_list: got {unknown[0]!r}; allowed: {list(DATA_TYPES)}")
+    if not isinstance(process_num, int) or isinstance(process_num, bool) or process_num < 1:
+        raise ValueError(f"process_num: got {process_num!r}; allowed: an int >= 1")
+    monitor_path = os.path.expanduser(monitor_path)
+    if not os.path.isdir(monitor_path):
+        raise FileNotFoundError(f"monitor_path: {monitor_path!r} is not a directory")
+    output = output_dirpath or f"{datetime.now().strftime(RUN_FOLDER_TIME_FORMAT)}_csv2tensorboard_by_step"
+    folders = run_folders(monitor_path, time_start, time_end)
+    if process_num == 1 or len(folders) < 2:
+        return [convert_folder(rank, folder, data_types, output) for rank, folder in folders]
+    with ProcessPoolExecutor(min(process_num, len(folders))) as pool:
+        futures = [pool.submit(convert_folder, rank, folder, data_types, output) for rank, folder in folders]
+        return [future.result() for future in futures]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("monitor_path", help="the monitor's output root ($MONITOR_OUTPUT_DIR, ./monitor_output)")
+    parser.add_argument("time_start", help="first run-folder timestamp to convert, like Dec03_21-34-40")
+    parser.add_argument("time_end", help="last run-folder timestamp to convert (included)")
+    parser.add_argument("--process-num", type=int, default=1, help="folders converted at once (default: 1)")
+    parser.add_argument("--data-type", action="append", choices=DATA_TYPES, default=None,
+                        help="a CSV prefix to convert; repeat for several (default: all)")
+    parser.add_argument("-o", "--output", default=None,
+                        help="event directory (default: ./<now>_csv2tensorboard_by_step)")
+
+
+def run(args) -> int:
+    try:
+        written = csv2tensorboard_by_step(args.monitor_path, args.time_start, args.time_end, args.process_num,
+                                          args.data_type, args.output)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"mindmon csv2tensorboard: {error}", file=sys.stderr)
+        return 1
+    if not written:
+        print(f"mindmon csv2tensorboard: no run folder under {args.monitor_path} between {args.time_start} and "
+              f"{args.time_end}", file=sys.stderr)
+        return 1
+    print(f"mindmon csv2tensorboard: wrote {', '.join(written)}")
+    return 0

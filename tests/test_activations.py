@@ -1,0 +1,162 @@
+"""Activations (actv / actv_grad) on real MindSpore: every statistic of every row against a float64 numpy
+recomputation of the forward and backward passes; specs; training mode; forward_only / backward_only."""
+import glob
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from activations_reference import activation_rows, output_root_for, run_config
+from msprobe_reference import K, statistic
+from mindmon.config import ConfigError
+from mindmon.formats.msprobe_csv import read_csv
+from mindmon.msprobe import parse_tensor_stats
+
+OPS = ["min", "max", "mean", "norm", "zeros", "nans"]
+RTOL = 1e-5
+
+
+@pytest.fixture
+def output_root(tmp_path, monkeypatch):
+    return output_root_for(tmp_path, monkeypatch)
+
+
+run = run_config
+
+
+def rows_of(root):
+    """{(prefix, step, micro_step, name): record} over the run's CSV files; each key once."""
+    folders = glob.glob(str(root / "*-rank0-*"))
+    assert len(folders) == 1, folders
+    rows = {}
+    for path in sorted(glob.glob(os.path.join(folders[0], "*.csv"))):
+        if os.path.basename(path) == "stack_info.csv":
+            continue
+        for record in read_csv(path):
+            key = (record.kind, record.step - 1, record.micro_step, record.name)
+            assert key not in rows, f"{key} written twice"
+            rows[key] = record
+    return rows
+
+
+def assert_statistics(rows, reference, ndigits=12):
+    for key, record in rows.items():
+        expected = reference[key]
+        assert tuple(record.shape) == expected.shape and record.dtype == "Float32", key
+        scale = np.abs(expected).max()
+        for op, value in zip(record.ops, record.value):
+            want = statistic(expected, op)
+            tolerance = RTOL * (abs(want) if op != "mean" else scale) + 0.5 * 10 ** -ndigits + 1e-30
+            assert abs(value - want) <= tolerance, f"{key} {op}: CSV {value!r}, numpy {want!r}"
+
+
+def test_every_cell_forward_and_backward_matches_numpy(tmp_path, output_root):
+    run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
+    rows = rows_of(output_root)
+    reference = activation_rows(2)
+    assert set(rows) == set(reference)
+    assert_statistics(rows, reference)
+    # K = 2: micro-steps 0 and 1 of each step; the root's output gradient is d(loss / K)/do.
+    assert {key[2] for key in rows} == set(range(K))
+    assert ("actv_grad", 0, 0, ".input") not in rows and ("actv_grad", 0, 0, "fc1.input") not in rows
+    with open(glob.glob(str(output_root / "*-rank0-*" / "actv_0-0.csv"))[0]) as file:
+        assert file.readline().strip() == "vpp_stage,name,step,micro_step," + ",".join(OPS) + ",shape,dtype"
+
+
+def test_specs_pick_what_they_name(tmp_path, output_root):
+    config = {"xy_distribution": True, "ops": ["norm", "max"], "ndigits": 12,
+              "targets": {"fc2": {"input": "tuple[1]:0", "output_grad": "tuple[1]:0"},
+                          "act": {"output": "tensor"}}}
+    run(tmp_path, config)
+    rows = rows_of(output_root)
+    reference = activation_rows(2)
+    wanted = {("actv", "fc2.input"), ("actv_grad", "fc2.output"), ("actv", "act.output")}
+    assert set(rows) == {k for k in reference if (k[0], k[3]) in wanted}
+    assert_statistics(rows, reference)
+
+
+def test_forward_only_and_backward_only(tmp_path, output_root, caplog):
+    run(tmp_path, {"xy_distribution": True, "forward_only": True, "ops": ["norm"], "ndigits": 12}, steps=1)
+    assert {key[0] for key in rows_of(output_root)} == {"actv"}
+    for folder in glob.glob(str(output_root / "*")):
+        for path in glob.glob(folder + "/*"):
+            os.remove(path)
+        os.rmdir(folder)
+    run(tmp_path, {"xy_distribution": True, "backward_only": True, "ops": ["norm"], "ndigits": 12}, steps=1)
+    assert {key[0] for key in rows_of(output_root)} == {"actv_grad"}
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        config = parse_tensor_stats({"xy_distribution": True, "forward_only": True, "backward_only": True})
+    assert not config.collects_activations
+    assert any("forward_only and backward_only are both true" in r.getMessage() for r in caplog.records)
+
+
+def test_only_cells_in_training_mode(tmp_path, output_root):
+    run(tmp_path, {"xy_distribution": True, "ops": ["norm"]}, steps=1, train_mode=False)
+    assert not glob.glob(str(output_root / "*" / "actv*.csv"))
+    # The model training, its fc2 in eval mode: every cell but fc2 has rows.
+    run(tmp_path, {"xy_distribution": True, "ops": ["norm"], "ndigits": 12}, steps=1,
+        prepare=lambda model: model.fc2.set_train(False))
+    rows = rows_of(output_root)
+    assert {key[3].split(".")[0] for key in rows} == {"", "fc1", "act"}
+    assert_statistics(rows, activation_rows(1))
+
+
+def test_spec_mismatch_is_an_error_naming_cell_spec_and_what_it_got(tmp_path, output_root, caplog):
+    config = {"xy_distribution": True, "ops": ["norm"], "ndigits": 12,
+              "targets": {"fc1": {"input": "tuple[2]:0", "output": "tensor"}, "fc2": {"output": "tensor"}}}
+    with caplog.at_level(logging.ERROR, logger="mindmon"):
+        run(tmp_path, config, steps=2)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors   # once, though the cell is called 4 times
+    assert "targets.fc1.input is 'tuple[2]:0'" in errors[0] and "got tuple[1] (Tensor)" in errors[0]
+    rows = rows_of(output_root)   # fc2 is still collected, fc1 not at all
+    assert {key[3] for key in rows} == {"fc2.output"} and len(rows) == 2 * K
+    assert_statistics(rows, activation_rows(2))
+
+
+@pytest.mark.parametrize("targets, message", [
+    ({"fc1": {"input": "tupel[2]:0"}}, "targets.fc1.input: got 'tupel[2]:0'"),
+    ({"fc1": {"input": "tuple[2]:2"}}, "targets.fc1.input: got 'tuple[2]:2'"),
+    ({"fc1": {"inputs": "tensor"}}, "targets.fc1.inputs: unknown key"),
+])
+def test_bad_specs_are_config_errors(targets, message):
+    with pytest.raises(ConfigError) as error:
+        parse_tensor_stats({"xy_distribution": True, "targets": targets})
+    assert str(error.value).startswith(message)
+
+
+def test_spec_target_that_names_no_cell(tmp_path, output_root):
+    with pytest.raises(ConfigError, match=r"^targets.fc9: names no cell"):
+        run(tmp_path, {"xy_distribution": True, "targets": {"fc9": {"output": "tensor"}}}, steps=1)
+
+
+def test_generate_xy_metrics_mid_step(tmp_path, output_root):
+    """msprobe's generate_xy_metrics: the statistics gathered so far in the step, before the optimizer."""
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+
+    from activations_reference import make_relu_model
+    from msprobe_reference import batches
+    from mindmon.msprobe import TrainerMon
+
+    path = tmp_path / "monitor_config.json"
+    path.write_text('{"xy_distribution": true, "ops": ["norm", "min"]}')
+    model = make_relu_model()
+    model.set_train(True)
+    optimizer = nn.SGD(model.trainable_params(), 0.1)
+    monitor = TrainerMon(str(path), params_have_main_grad=False)
+    monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
+    x, y = batches()[0][0]
+    value_and_grad(lambda a, b: nn.MSELoss()(model(a), b) / K, None, optimizer.parameters)(ms.Tensor(x),
+                                                                                           ms.Tensor(y))
+    actv, actv_grad = monitor.generate_xy_metrics()
+    reference = activation_rows(1)
+    assert set(actv) == {".input", ".output", "fc1.input", "fc1.output", "act.input", "act.output", "fc2.input",
+                         "fc2.output"}
+    for table, kind in ((actv, "actv"), (actv_grad, "actv_grad")):
+        for name, values in table.items():
+            for op, value in values.items():
+                want = statistic(reference[(kind, 0, 0, name)], op)
+                assert abs(value - want) <= RTOL * abs(want) + 1e-12, (kind, name, op, value, want)
+    monitor.close()

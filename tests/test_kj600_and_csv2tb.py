@@ -1,0 +1,118 @@
+"""kj600's entry points (hook_modules, set_wrapped_optimizer, KJ600_OUTPUT_DIR, its config keys) writing
+TensorBoard, and msprobe's csv2tensorboard_by_step / `mindmon csv2tensorboard`; every value read back
+with TensorBoard's EventAccumulator and compared with the float64 numpy recomputation."""
+import glob
+import logging
+import math
+import os
+import re
+
+import pytest
+
+from activations_reference import activation_rows, output_root_for, run_config, train
+from msprobe_reference import K, reference_run, statistic
+from mindmon.cli import main
+from mindmon.kj600.module_hook import TrainerMon as Kj600TrainerMon
+from mindmon.msprobe import csv2tensorboard_by_step
+
+KJ600_CONFIG = {
+    "targets": {"fc1": {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0",
+                        "output_grad": "tuple[1]:0"}},
+    "print_struct": False, "module_ranks": [0], "ur_distribution": False, "xy_distribution": True,
+    "mv_distribution": False, "wg_distribution": False, "cc_distribution": {"enable": False, "cc_codeline": []},
+    "ops": ["min", "max", "norm", "zeros", "id"], "eps": 1e-8, "opt_ty": "Megatron_DistributedOptimizer"}
+STEPS = 2
+
+
+def scalars(event_dir):
+    """{tag: {x: value}} of one event directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(event_dir)
+    accumulator.Reload()
+    return {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def assert_close(value, want, rtol=1e-6, atol=1e-12):
+    if math.isnan(want):
+        assert math.isnan(value)
+    else:
+        assert abs(value - want) <= rtol * abs(want) + atol, (value, want)
+
+
+@pytest.fixture
+def output_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("KJ600_OUTPUT_DIR", str(tmp_path / "kj600"))
+    return output_root_for(tmp_path, monkeypatch)
+
+
+def kj600_run(tmp_path, config, optimizer=False):
+    import json
+
+    path = tmp_path / "llama2_config.json"
+    path.write_text(json.dumps(config))
+
+    def make():
+        return Kj600TrainerMon(str(path), params_have_main_grad=False, opt_ty="Megatron_DistributedOptimizer")
+
+    monitor = train(make, STEPS, optimizer_to_monitor=False, wrap_optimizer=optimizer)
+    monitor.close()
+    (events,) = glob.glob(str(tmp_path / "kj600" / "*-rank0-*" / "rank_0"))
+    return scalars(events)
+
+
+def test_kj600_hook_modules_writes_activations_to_tensorboard(tmp_path, output_root, caplog):
+    with caplog.at_level(logging.INFO, logger="mindmon"):
+        tags = kj600_run(tmp_path, KJ600_CONFIG)
+    reference = activation_rows(STEPS)
+    expected = {f"{kind}/fc1.{io}/{op}" for kind, io in (("actv", "input"), ("actv", "output"),
+                                                           ("actv_grad", "output"))
+                for op in KJ600_CONFIG["ops"]}
+    assert set(tags) == expected   # fc1's input gradient is None (x is not differentiated): no tag
+    for tag, points in tags.items():
+        kind, name, op = tag.split("/")
+        assert sorted(points) == list(range(STEPS * K))   # x = step * K + micro_step
+        for x, value in points.items():
+            array = reference[(kind, x // K, x % K, name)]
+            assert_close(value, float("nan") if op == "id" else statistic(array, op))
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "opt_ty" in messages and "ignored" in messages and "> 1 out of 4 modules are monitored." in messages
+
+
+def test_kj600_wrapped_optimizer_adds_weight_gradients(tmp_path, output_root):
+    config = dict(KJ600_CONFIG, targets={}, xy_distribution=False, wg_distribution=True, ops=["norm"])
+    tags = kj600_run(tmp_path, config, optimizer=True)
+    reference = reference_run(steps=STEPS)
+    assert {t for t in tags if t.startswith("grad_reduced/")} == {f"grad_reduced/{n}/norm" for n in
+                                                                  ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+    for name in ("fc1.weight", "fc2.bias"):
+        points = tags[f"grad_reduced/{name}/norm"]
+        assert sorted(points) == [1, 2]   # per step, from 1
+        for x, value in points.items():
+            assert_close(value, statistic(reference[("grad_reduced", x - 1, None, name)], "norm"))
+
+
+def test_csv2tensorboard_by_step_and_command(tmp_path, output_root, capsys):
+    run_config(tmp_path, {"xy_distribution": True, "wg_distribution": True, "ops": ["norm", "max"],
+                          "ndigits": 12}, steps=STEPS)
+    (folder,) = glob.glob(str(output_root / "*-rank0-*"))
+    stamp = re.match(r"(.*)-rank0-", os.path.basename(folder)).group(1)
+    written = csv2tensorboard_by_step(str(output_root), stamp, stamp, data_type_list=["actv", "grad_reduced"],
+                                      output_dirpath=str(tmp_path / "tb"))
+    assert written == [str(tmp_path / "tb" / "rank_0")]
+    tags = scalars(written[0])
+    assert {t.split("/")[0] for t in tags} == {"actv", "grad_reduced"}
+    reference = {**activation_rows(STEPS), **reference_run(steps=STEPS)}
+    for tag, points in tags.items():
+        kind, name, op = tag.split("/")
+        for x, value in points.items():
+            key = (kind, x // K, x % K, name) if kind == "actv" else (kind, x - 1, None, name)
+            assert_close(value, statistic(reference[key], op))
+    assert main(["csv2tensorboard", str(output_root), stamp, stamp, "--data-type", "actv_grad",
+                 "-o", str(tmp_path / "tb2")]) == 0
+    assert str(tmp_path / "tb2" / "rank_0") in capsys.readouterr().out
+    assert {t.split("/")[0] for t in scalars(str(tmp_path / "tb2" / "rank_0"))} == {"actv_grad"}
+    assert main(["csv2tensorboard", str(output_root), "Jan01_00-00-00", "Jan01_00-00-01"]) == 1
+    with pytest.raises(ValueError, match="data_type_list: got 'weights'"):
+        csv2tensorboard_by_step(str(output_root), stamp, stamp, data_type_list=["weights"])
