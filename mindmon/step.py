@@ -92,12 +92,19 @@ class AccumulatingTrainStep:
         accumulated, mean_loss = self._reduce(accumulated, sum(losses[1:], losses[0]), group)
         grad_norm = self._global_norm(accumulated)
         finite = bool(np.isfinite(grad_norm))
-        if finite:
+        skip = self._actions_skip(grad_norm)   # asked at every step: the actions may take part in a collective
+        if finite and not skip:
             self.optimizer(self._clip(accumulated, grad_norm))
         if group is not None:
             group.record("device_loss", mean_loss)
             group.record("device_norm", accumulated if self.data_parallel.active else None)
         return mean_loss, grad_norm
+
+    def _actions_skip(self, grad_norm: float) -> bool:
+        """True when the group's actions (an alert's skip_nonfinite_update, monitor_config's spike
+        check) ask to skip this step's update."""
+        actions = self.group.actions if self.group is not None else None
+        return actions is not None and bool(actions.should_skip_update(grad_norm))
 
     def _reduce(self, accumulated, loss_sum, group):
         """The data-parallel mean of the gradients and of the micro-batch losses, with what the
