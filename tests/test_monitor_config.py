@@ -1,0 +1,244 @@
+"""MindFormers' graph-mode `monitor_config` on the PyNative Trainer: the section is validated like
+mindmon's own, every metric of configs/monitor_config.yaml is checked against an independent numpy
+computation, the stable rank against numpy's SVD, and the spike / NaN / print_struct checks skip
+updates and stop the run as documented."""
+import copy
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from mindspore import Parameter, Tensor, nn, value_and_grad
+
+from conftest import make_data, make_model, read_jsonl, train, trainer_config
+
+ROOT = Path(__file__).resolve().parent.parent
+K, LBS = 4, 2
+
+
+def _parse(raw):
+    from mindmon.config import parse_sections
+
+    return parse_sections(raw)
+
+
+# ---------------------------------------------------------------- configuration
+
+def test_defaults_are_mindformers_defaults():
+    """Compared with MindFormers' own template classes (the installed package), not with our code's constants."""
+    from mindformers.tools.register.template import MonitorConfig as Template, StableRankConfig as SRTemplate
+
+    section = _parse({"monitor_config": {}}).monitor.monitor_config
+    for key in ("monitor_on", "dump_path", "invert", "step_interval", "print_struct", "check_for_global_norm",
+                "global_norm_spike_threshold", "global_norm_spike_count_threshold", "throughput_baseline",
+                "health_checkpoint"):
+        assert getattr(section, key) == getattr(Template, key), key
+    assert section.target == (".*",) and Template.target is None      # None = every parameter
+    assert all(not section.formats[k] for k in section.formats)
+    sr = section.stable_rank
+    assert (sr.step_interval, sr.do_aggregation, sr.moe_show_mode, sr.power_iteration_num) == (
+        SRTemplate.step_interval, SRTemplate.do_aggregation, SRTemplate.moe_show_mode, SRTemplate.power_iteration_num)
+    assert not section.active
+
+
+def test_stock_trainer_1_9_keeps_and_ignores_the_section():
+    """Why mindmon reads it: MindFormers 1.9.0's PyNative TrainConfig accepts these keys and does nothing with them."""
+    from mindformers.pynative.config.config import TrainConfig
+
+    raw = trainer_config("/tmp/unused", monitor_config={"monitor_on": True, "local_norm_format": "log"},
+                         check_for_nan_in_loss_and_grad=True, tensorboard={"tensorboard_dir": "x"})
+    stock = TrainConfig.from_dict(copy.deepcopy(raw))
+    assert stock.monitor_config.monitor_on is True and stock.check_for_nan_in_loss_and_grad is True
+
+
+def test_mapping_onto_the_engine():
+    config = _parse({"monitor_config": {"monitor_on": True, "target": ["layers\\.0"], "invert": True,
+                                        "local_norm_format": "log", "local_loss_format": ["tensorboard"],
+                                        "device_local_loss_format": "log", "max_attention_logit_format": "log",
+                                        "step_interval": 3}})
+    state = config.monitor.train_state
+    assert state.local_loss and state.device_loss and not state.device_norm.enabled
+    assert state.local_norm.matches("decoder.layers.1.mlp.weight") and not state.local_norm.matches("decoder.layers.0.x")
+    # no TensorBoard configured: MindFormers falls back to the log
+    assert config.monitor.monitor_config.format("local_loss") == {"log"}
+    assert {"type": "MaxLogitsMonitor", "step_interval": 3} in config.callbacks
+    off = _parse({"monitor_config": {"local_norm_format": "log"}})   # monitor_on False: nothing
+    assert not off.monitor.train_state.active and not off.callbacks
+
+
+BAD = [
+    ({"monitor_on": "yes"}, "monitor_config.monitor_on"),
+    ({"dump_path": ""}, "monitor_config.dump_path"),
+    ({"dump_path": 3}, "monitor_config.dump_path"),
+    ({"target": "layers"}, "monitor_config.target"),
+    ({"target": ["layers[("]}, "monitor_config.target"),
+    ({"invert": 1}, "monitor_config.invert"),
+    ({"step_interval": 0}, "monitor_config.step_interval"),
+    ({"step_interval": 1.5}, "monitor_config.step_interval"),
+    *[({f"{k}_format": bad}, f"monitor_config.{k}_format")
+      for k in ("local_loss", "local_norm", "device_local_norm", "device_local_loss", "optimizer_state",
+                "weight_state", "max_attention_logit") for bad in ("csv", ["log", 3])],
+    ({"throughput_baseline": 0}, "monitor_config.throughput_baseline"),
+    ({"throughput_baseline": "fast"}, "monitor_config.throughput_baseline"),
+    ({"throughput_baseline": float("nan")}, "monitor_config.throughput_baseline"),
+    ({"print_struct": "no"}, "monitor_config.print_struct"),
+    ({"check_for_global_norm": 1}, "monitor_config.check_for_global_norm"),
+    ({"global_norm_spike_threshold": -1}, "monitor_config.global_norm_spike_threshold"),
+    ({"global_norm_spike_threshold": True}, "monitor_config.global_norm_spike_threshold"),
+    ({"global_norm_spike_count_threshold": 0}, "monitor_config.global_norm_spike_count_threshold"),
+    ({"stable_rank_config": 5}, "monitor_config.stable_rank_config"),
+    ({"stable_rank_config": {"format": "png"}}, "monitor_config.stable_rank_config.format"),
+    ({"stable_rank_config": {"step_interval": -2}}, "monitor_config.stable_rank_config.step_interval"),
+    ({"stable_rank_config": {"target": [""]}}, "monitor_config.stable_rank_config.target"),
+    ({"stable_rank_config": {"do_aggregation": "x"}}, "monitor_config.stable_rank_config.do_aggregation"),
+    ({"stable_rank_config": {"moe_show_mode": "some"}}, "monitor_config.stable_rank_config.moe_show_mode"),
+    ({"stable_rank_config": {"power_iteration_num": 0}}, "monitor_config.stable_rank_config.power_iteration_num"),
+    ({"stable_rank_config": {"colour": 1}}, "monitor_config.stable_rank_config"),
+    ({"health_checkpoint": 3}, "monitor_config.health_checkpoint"),
+    ({"health_checkpoint": {"global_norm_spike_threshold": -3}},
+     "monitor_config.health_checkpoint.global_norm_spike_threshold"),
+    ({"unknown_key": 1}, "monitor_config"),
+]
+
+
+@pytest.mark.parametrize("section,path", BAD, ids=[f"{p}={list(s.values())[0]!r}" for s, p in BAD])
+def test_bad_value_names_the_key(section, path):
+    from mindmon.config import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        _parse({"monitor_config": section})
+    message = str(error.value)
+    assert message.startswith(path + ":") and "allowed" in message and "\n" not in message
+
+
+def test_bad_top_level_nan_switch_and_section_type():
+    from mindmon.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^check_for_nan_in_loss_and_grad: got 'yes' \(str\); allowed: True or False$"):
+        _parse({"check_for_nan_in_loss_and_grad": "yes"})
+    with pytest.raises(ConfigError, match=r"^monitor_config: got \[1\] \(list\); allowed: a mapping"):
+        _parse({"monitor_config": [1]})
+
+
+def test_mix_with_monitor_train_state_is_refused():
+    from mindmon.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^monitor_config\.local_norm_format: got \['log'\] while monitor\.train_state "
+                                          r"is also set .*allowed: one of the two"):
+        _parse({"monitor": {"train_state": {"local_loss": True}},
+                "monitor_config": {"monitor_on": True, "local_norm_format": "log"}})
+    # metrics train_state does not compute combine freely with it
+    config = _parse({"monitor": {"train_state": {"local_loss": True}},
+                     "monitor_config": {"monitor_on": True, "weight_state_format": "log"}})
+    assert config.monitor.train_state.local_loss and config.monitor.monitor_config.format("weight_state") == {"log"}
+
+
+def test_check_config_command(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("monitor_config:\n  stable_rank_config:\n    power_iteration_num: -1\n")
+    result = subprocess.run([sys.executable, "-m", "mindmon", "check-config", str(bad)], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"mindmon: {bad}: monitor_config.stable_rank_config.power_iteration_num: got -1 (int); allowed: a positive int"]
+    good = subprocess.run([sys.executable, "-m", "mindmon", "check-config", str(ROOT / "configs" / "monitor_config.yaml")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert good.returncode == 0, good.stderr
+    assert yaml.safe_load(good.stdout)["monitor"]["monitor_config"]["stable_rank_config"]["power_iteration_num"] == 5
+
+
+# ---------------------------------------------------------------- stable rank
+
+def test_power_iteration_converges_on_a_known_spectrum():
+    from mindmon.monitor_config.monitors import power_iteration
+
+    rng = np.random.default_rng(0)
+    singular = np.array([10.0, 5.0, 2.0, 1.0, 0.5])
+    u, _ = np.linalg.qr(rng.standard_normal((8, 5)))
+    v, _ = np.linalg.qr(rng.standard_normal((5, 5)))
+    weight = u @ np.diag(singular) @ v.T
+    gram = (weight.T @ weight)[None]
+    start = rng.standard_normal((1, 5))
+    start /= np.linalg.norm(start)
+    eigen, vector = power_iteration(gram, start, 40)
+    assert eigen[0] == pytest.approx(100.0, rel=1e-12)                   # sigma_max^2
+    assert abs(vector[0] @ v[:, 0]) == pytest.approx(1.0, rel=1e-12)     # the top right singular vector
+    few, _ = power_iteration(gram, start, 2)
+    assert few[0] < 100.0                                                # a Rayleigh quotient: from below
+
+
+class _Weights(nn.Cell):
+    def __init__(self, rng):
+        super().__init__()
+        self.dense = Parameter(Tensor(rng.standard_normal((12, 6)).astype(np.float32)), name="dense.weight")
+        self.experts = Parameter(Tensor(rng.standard_normal((3, 5, 4)).astype(np.float32)), name="experts.weight")
+        self.bias = Parameter(Tensor(np.ones(6, np.float32)), name="dense.bias")
+
+
+def test_stable_rank_agrees_with_svd_and_warm_starts():
+    from mindmon.monitor_config.config import StableRankSection
+    from mindmon.monitor_config.monitors import StableRankMonitor
+
+    model = _Weights(np.random.default_rng(1))
+    monitor = StableRankMonitor(model, StableRankSection(formats=frozenset({"log"}), step_interval=2,
+                                                         power_iteration_num=5))
+    assert monitor.collect(1) == []                                          # every step_interval steps
+    collected = [{(r.kind, r.name): r.value for r in monitor.collect(step)} for step in range(2, 42, 2)]
+    last = collected[-1]
+    dense = model.dense.asnumpy().astype(np.float64)
+    sigma = np.linalg.svd(dense, compute_uv=False)
+    assert last[("weight_eigenvalue", "dense.weight")] == pytest.approx(sigma[0] ** 2, rel=1e-6)
+    assert last[("weight_stable_rank", "dense.weight")] == pytest.approx((sigma ** 2).sum() / sigma[0] ** 2, rel=1e-6)
+    experts = model.experts.asnumpy().astype(np.float64)
+    sigmas = [np.linalg.svd(m, compute_uv=False) for m in experts]
+    ranks = [(s ** 2).sum() / s[0] ** 2 for s in sigmas]
+    for e, s in enumerate(sigmas):
+        assert last[("weight_eigenvalue", f"experts.weight/expert_{e}")] == pytest.approx(s[0] ** 2, rel=1e-6)
+        assert last[("weight_stable_rank", f"experts.weight/expert_{e}")] == pytest.approx(ranks[e], rel=1e-6)
+    assert last[("weight_stable_rank", "experts.weight/expert_max")] == pytest.approx(max(ranks), rel=1e-6)
+    assert last[("weight_stable_rank", "experts.weight/expert_mean")] == pytest.approx(np.mean(ranks), rel=1e-6)
+    assert not any("bias" in name for _, name in last)                      # 1-D: no stable rank
+    # the warm start carries the iteration on: 5 iterations per call, 100 in all; 5 from a cold start fall short
+    first = collected[0][("weight_eigenvalue", "dense.weight")]
+    assert sigma[0] ** 2 - first > 1e3 * (sigma[0] ** 2 - last[("weight_eigenvalue", "dense.weight")])
+
+
+# ---------------------------------------------------------------- log format
+
+def test_log_lines_round_trip_and_parse_log(tmp_path):
+    from mindmon.analysis.parse_log import LogParser
+    from mindmon.formats.training_state_log import LineReader
+    from mindmon.records import Record
+    from mindmon.sinks.training_state import TrainingStateLogSink
+    from mindmon.engine import RunInfo
+
+    section = _parse({"monitor_config": {"monitor_on": True, "local_norm_format": "log", "local_loss_format": "log",
+                                         "weight_state_format": ["log"], "device_local_norm_format": "log"}}
+                     ).monitor.monitor_config
+    lines = []
+    logger = logging.getLogger("test_monitor_config_lines")
+    logger.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: lines.append(r.getMessage())})())
+    logger.setLevel(logging.INFO)
+    sink = TrainingStateLogSink(logger, section)
+    sink.open(RunInfo(max_steps=20))
+    written = [Record(3, 0, 0, "local_norm", "layers.0.w", 0.1234567891), Record(3, 1, 0, "local_norm", "layers.0.w", 2e-9),
+               Record(3, 0, 0, "local_loss", "loss", 5.5), Record(3, 1, 0, "local_loss", "loss", float("nan")),
+               Record(3, None, 0, "weight_norm", "global", 12.25), Record(3, None, 0, "grad_norm", "global", 1.5)]
+    sink.write(written)
+    assert "Epoch:[  1/  1], step:[    3/   20] local_norm/layers.0.w: 0.1234567891" in lines
+    assert "Epoch:[  1/  1], step:[    3/   20] micro_local_lm_loss: 5.5" in lines
+    assert "Epoch:[  1/  1], step:[    3/   20] device_local_norm: 1.5" in lines
+    reader = LineReader()
+    back = [r for line in lines for r in reader.read("2026-01-01 - INFO - " + line)]
+    key = lambda r: (r.kind, r.micro_step, r.name)
+    assert sorted(map(key, back)) == sorted(map(key, written))
+    values = {key(r): r.value for r in back}
+    for record in written:
+        assert values[key(record)] == pytest.approx(record.value, nan_ok=True)
+    parser = LogParser()
+    parsed = [r for line in lines for r in parser.feed(line)]
+    assert sorted(map(key, parsed)) == sorted(map(key, written))
