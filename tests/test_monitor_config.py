@@ -148,7 +148,7 @@ def test_check_config_command(tmp_path):
     good = subprocess.run([sys.executable, "-m", "mindmon", "check-config", str(ROOT / "configs" / "monitor_config.yaml")],
                           capture_output=True, text=True, cwd=ROOT)
     assert good.returncode == 0, good.stderr
-    assert yaml.safe_load(good.stdout)["monitor"]["monitor_config"]["stable_rank_config"]["power_iteration_num"] == 5
+    assert yaml.safe_load(good.stdout)["monitor"]["monitor_config"]["stable_rank_config"]["power_iteration_num"] == 50
 
 
 # ---------------------------------------------------------------- stable rank
@@ -242,3 +242,193 @@ def test_log_lines_round_trip_and_parse_log(tmp_path):
     parser = LogParser()
     parsed = [r for line in lines for r in parser.feed(line)]
     assert sorted(map(key, parsed)) == sorted(map(key, written))
+
+
+# ---------------------------------------------------------------- the scenario YAML, trained
+
+def _scenario():
+    return yaml.safe_load((ROOT / "configs" / "monitor_config.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """configs/monitor_config.yaml's sections on the test model, through the real Trainer (the model and
+    optimizer are kept, to compare with what was recorded at the last step)."""
+    out = tmp_path_factory.mktemp("monitor_config")
+    scenario = _scenario()
+    config = trainer_config(out, steps=3, monitor={"train_state": {}},
+                            monitor_config=scenario["monitor_config"],
+                            check_for_nan_in_loss_and_grad=scenario["check_for_nan_in_loss_and_grad"],
+                            tensorboard={**scenario["tensorboard"], "tensorboard_dir": str(out / "tb")})
+    trainer = train(config)
+    return config, read_jsonl(out / "rank_0" / "metrics.jsonl"), trainer, out
+
+
+def _by(records, kind, step=None):
+    return {(r["micro_step"], r["name"]): r["value"] for r in records
+            if r["kind"] == kind and (step is None or r["step"] == step)}
+
+
+def test_scenario_step1_losses_and_norms_match_a_replay(trained):
+    """Step 1 replayed with a fresh copy of the model: per micro-batch loss and gradient of loss/K."""
+    config, records, _, _ = trained
+    model = make_model()
+    model.set_train(True)
+    names = [p.name for p in model.trainable_params()]
+    batch = next(make_data(config).create_dict_iterator(output_numpy=True))
+    grad_fn = value_and_grad(lambda ids, labels: model(ids, labels)[0], None, model.trainable_params())
+    target = [re.compile(p) for p in _scenario()["monitor_config"]["target"]]
+    selected = [n for n in names if any(p.search(n) for p in target)]
+    assert selected and len(selected) < len(names)
+    losses, accumulated, previous = [], {n: 0.0 for n in names}, {n: 0.0 for n in names}
+    local_norm, local_loss = _by(records, "local_norm", 1), _by(records, "local_loss", 1)
+    assert {name for _, name in local_norm} == set(selected)              # target regexes, exactly
+    for k in range(K):
+        rows = slice(k * LBS, (k + 1) * LBS)
+        loss, grads = grad_fn(Tensor(batch["input_ids"][rows]), Tensor(batch["labels"][rows]))
+        losses.append(float(loss.asnumpy()))
+        assert local_loss[(k, "loss")] == pytest.approx(losses[-1], rel=1e-5)
+        for name, grad in zip(names, grads):
+            accumulated[name] = accumulated[name] + grad.asnumpy().astype(np.float64) / K
+            norm = np.linalg.norm(accumulated[name])
+            if name in selected:
+                assert local_norm[(k, name)] == pytest.approx(norm - previous[name], rel=1e-4, abs=1e-7)
+            previous[name] = norm
+    assert _by(records, "device_loss", 1)[(None, "loss")] == pytest.approx(np.mean(losses), rel=1e-5)
+    device_local_norm = np.sqrt(sum(np.sum(a * a) for a in accumulated.values()))
+    assert _by(records, "grad_norm", 1)[(None, "global")] == pytest.approx(device_local_norm, rel=1e-4)
+
+
+def test_scenario_weight_optimizer_and_stable_rank_at_the_last_step(trained):
+    _, records, trainer, _ = trained
+    from mindmon.msprobe.targets import find_moments
+
+    weights = {p.name: p.asnumpy().astype(np.float64) for p in trainer.model.trainable_params()}
+    assert _by(records, "weight_norm", 3)[(None, "global")] == pytest.approx(
+        np.sqrt(sum(np.sum(w * w) for w in weights.values())), rel=1e-6)
+    parameters = trainer.optimizer.parameters
+    first, second = find_moments(trainer.optimizer, len(parameters))
+    target = [re.compile(p) for p in _scenario()["monitor_config"]["target"]]
+    m_norms, v_norms = _by(records, "adam_m_norm", 3), _by(records, "adam_v_norm", 3)
+    selected = [i for i, p in enumerate(parameters) if any(t.search(p.name) for t in target)]
+    assert {name for _, name in m_norms} == {parameters[i].name for i in selected}
+    for i in selected:
+        assert m_norms[(None, parameters[i].name)] == pytest.approx(np.linalg.norm(first[i].asnumpy().astype(np.float64)), rel=1e-6)
+        assert v_norms[(None, parameters[i].name)] == pytest.approx(np.linalg.norm(second[i].asnumpy().astype(np.float64)), rel=1e-6)
+    stable, eigen = _by(records, "weight_stable_rank", 3), _by(records, "weight_eigenvalue", 3)
+    sr_target = [re.compile(p) for p in _scenario()["monitor_config"]["stable_rank_config"]["target"]]
+    matrices = {n: w for n, w in weights.items() if w.ndim == 2 and any(t.search(n) for t in sr_target)}
+    assert matrices and {name for _, name in stable} == set(matrices)
+    for name, weight in matrices.items():
+        sigma = np.linalg.svd(weight, compute_uv=False)
+        # 50 power iterations per step, warm-started from the previous step's vector (150 by step 3); the
+        # random initial weights have close top singular values, which power iteration separates slowly.
+        # A Rayleigh quotient never exceeds sigma_max^2.
+        assert eigen[(None, name)] <= sigma[0] ** 2 * (1 + 1e-12)
+        assert eigen[(None, name)] == pytest.approx(sigma[0] ** 2, rel=1e-4)
+        assert stable[(None, name)] == pytest.approx(np.sum(sigma ** 2) / sigma[0] ** 2, rel=1e-4)
+
+
+def test_scenario_max_logits_and_throughput(trained):
+    _, records, _, _ = trained
+    for step in (1, 2, 3):
+        layers = [r["value"] for r in records if r["kind"] == "max_attention_logit" and r["step"] == step]
+        assert len(layers) == 3          # 2 decoder layers + 1 MTP layer, every step_interval (1) steps
+        heads = np.concatenate(layers)
+        assert _by(records, "max_attention_logit_max", step)[(None, "all")] == pytest.approx(heads.max())
+        assert _by(records, "max_attention_logit_mean", step)[(None, "all")] == pytest.approx(heads.mean())
+        linearity = _by(records, "throughput_linearity", step)[(None, "global")]
+        seconds = 8 / 1 / (linearity * _scenario()["monitor_config"]["throughput_baseline"])
+        assert 0.005 < seconds < 120     # a plausible step time for 4 micro-steps of the test model
+
+
+def test_scenario_tensorboard_uses_mindformers_tags(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, records, _, out = trained
+    events = EventAccumulator(str(out / "tb" / "rank_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("device_accum_local_lm_loss", "device_local_norm", "weight_norm", "throughput_linearity",
+                "local_lm_loss", "max_attention_logit/mean"):
+        assert tag in tags, tag
+    name = next(n for _, n in _by(records, "adam_m_norm", 3))
+    assert events.Scalars(f"adam_m_norm/{name}")[-1].value == pytest.approx(_by(records, "adam_m_norm", 3)[(None, name)], rel=1e-6)
+    assert [e.value for e in events.Scalars("weight_norm")] == pytest.approx(
+        [_by(records, "weight_norm", s)[(None, "global")] for s in (1, 2, 3)], rel=1e-6)
+    assert any(t.startswith("weight_stable_rank/") for t in tags) and any(t.startswith("local_norm/") for t in tags)
+    assert not any(t.startswith("device_norm/") for t in tags)    # not asked for: not computed
+
+
+def test_scenario_yaml_trains_in_the_demo(tmp_path):
+    """`mindmon demo --config configs/monitor_config.yaml`: its log carries MindFormers' lines, and they
+    read back to the values of the run's JSONL."""
+    from mindmon.demo.train import run
+    from mindmon.formats.training_state_log import LineReader
+
+    run(str(ROOT / "configs" / "monitor_config.yaml"), steps=2, output=str(tmp_path))
+    records = read_jsonl(tmp_path / "monitor" / "rank_0" / "metrics.jsonl")
+    log = (tmp_path / "log" / "rank_0" / "info.log").read_text().splitlines()
+    reader = LineReader()
+    logged = [r for line in log for r in reader.read(line)]
+    kinds = {r.kind for r in logged}
+    assert {"local_norm", "local_loss", "device_loss", "grad_norm", "adam_m_norm", "adam_v_norm", "weight_norm",
+            "throughput_linearity", "weight_stable_rank", "weight_eigenvalue"} <= kinds
+    jsonl = {(r["kind"], r["step"], r["micro_step"], r["name"]): r["value"] for r in records}
+    for record in logged:
+        assert record.value == pytest.approx(jsonl[(record.kind, record.step, record.micro_step, record.name)], rel=1e-12)
+    assert (tmp_path / "tensorboard" / "rank_0").is_dir()
+
+
+# ---------------------------------------------------------------- checks that act on training
+
+def _guarded(tmp_path, steps, monitor_config, model=None, **top):
+    config = trainer_config(tmp_path, steps=steps, monitor={}, monitor_config=monitor_config, **top)
+    model = model or make_model()
+    before = {p.name: p.asnumpy().copy() for p in model.trainable_params()}
+    trainer = train(config, model)
+    records = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    changed = [n for n, w in before.items() if not np.array_equal(w, model.parameters_dict()[n].asnumpy())]
+    return records, changed, trainer
+
+
+def test_consecutive_spikes_skip_updates_and_stop(tmp_path):
+    records, changed, _ = _guarded(tmp_path, 6, {"monitor_on": True, "check_for_global_norm": True,
+                                                 "global_norm_spike_threshold": 1e-6,
+                                                 "global_norm_spike_count_threshold": 2})
+    assert max(r["step"] for r in records) == 2                     # stopped after the 2nd consecutive spike
+    assert [r["value"] for r in records if r["kind"] == "global_norm_spike_count"] == [1.0, 2.0]
+    assert all(r["value"] >= 1e-6 for r in records if r["kind"] == "grad_norm")
+    assert changed == []                                            # every spike's update skipped
+
+
+def test_spike_count_resets_below_threshold(tmp_path):
+    """A threshold between the step norms: only the steps at or above it count, and the run goes on."""
+    records, changed, _ = _guarded(tmp_path, 3, {"monitor_on": True, "check_for_global_norm": True,
+                                                 "global_norm_spike_threshold": 1e9})
+    assert max(r["step"] for r in records) == 3
+    assert [r["value"] for r in records if r["kind"] == "global_norm_spike_count"] == [0.0, 0.0, 0.0]
+    assert changed                                                  # updates applied
+
+
+def test_nan_check_stops_after_the_step(tmp_path):
+    model = make_model()
+    weight = model.output_layer.weight
+    poisoned = weight.asnumpy().copy()
+    poisoned[0, 0] = np.nan
+    weight.set_data(Tensor(poisoned))
+    records, changed, _ = _guarded(tmp_path, 4, {}, model=model, check_for_nan_in_loss_and_grad=True)
+    assert max(r["step"] for r in records) == 1
+    assert np.isnan(_by(records, "loss", 1)[(None, "loss")])
+    assert changed == []                                            # the non-finite update was skipped
+
+
+def test_print_struct_logs_names_and_stops(tmp_path, caplog):
+    records, changed, trainer = _guarded(tmp_path, 4, {"monitor_on": True, "print_struct": True})
+    assert max(r["step"] for r in records) == 1
+    assert changed == []
+    from conftest import mindformers_log
+
+    log = mindformers_log()
+    assert all(p.name in log for p in trainer.model.trainable_params())
+    assert "print_struct: the" in log
