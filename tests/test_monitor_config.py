@@ -439,3 +439,31 @@ def test_print_struct_logs_names_and_stops(tmp_path, caplog):
     log = mindformers_log()
     assert all(p.name in log for p in trainer.model.trainable_params())
     assert "print_struct: the" in log
+
+
+def test_two_ranks_skip_and_stop_at_the_same_step(tmp_path):
+    """Two real msrun workers (data parallel): the spike check skips every update and stops both ranks after
+    the same step; the weights both report are the untouched initial ones (numpy, from a fresh model)."""
+    import os
+
+    from conftest import SMALL_MODEL
+    from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
+
+    overlay = {"model": SMALL_MODEL, "training": {"global_batch_size": 8, "local_batch_size": 2},
+               "monitor": {"train_state": {}},
+               "monitor_config": {"monitor_on": True, "check_for_global_norm": True, "weight_state_format": "log",
+                                  "global_norm_spike_threshold": 1e-6, "global_norm_spike_count_threshold": 2}}
+    (tmp_path / "spikes.yaml").write_text(yaml.safe_dump(overlay))
+    env = {k: v for k, v in os.environ.items() if k != "LOG_MF_PATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run([sys.executable, "-m", "mindmon", "demo", "--workers", "2", "--steps", "5", "--output",
+                             str(tmp_path), "--config", str(tmp_path / "spikes.yaml")],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    initial = np.sqrt(sum(np.sum(p.asnumpy().astype(np.float64) ** 2)
+                          for p in DemoMoEGPT(DemoModelConfig.from_dict(SMALL_MODEL)).trainable_params()))
+    for rank in (0, 1):
+        records = read_jsonl(tmp_path / "monitor" / f"rank_{rank}" / "metrics.jsonl")
+        assert max(r["step"] for r in records) == 2, rank
+        assert [r["value"] for r in records if r["kind"] == "global_norm_spike_count"] == [1.0, 2.0]
+        assert [r["value"] for r in records if r["kind"] == "weight_norm"] == pytest.approx([initial, initial], rel=1e-6)
