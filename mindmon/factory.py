@@ -124,7 +124,8 @@ def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, paramet
         from .monitor_config.build import build_monitor_config
 
         extra, actions = build_monitor_config(monitor.monitor_config, model, optimizer, parameter_names, rank,
-                                              on_host, data_parallel, global_batch_size, logger, actions)
+                                              on_host, data_parallel, global_batch_size, logger, actions,
+                                              monitor.selects_rank(rank))
         monitors += extra
     return MonitorGroup(monitors, sinks, rank, logger, actions)
 

@@ -65,6 +65,7 @@ def test_mapping_onto_the_engine():
     assert state.local_norm.matches("decoder.layers.1.mlp.weight") and not state.local_norm.matches("decoder.layers.0.x")
     # no TensorBoard configured: MindFormers falls back to the log
     assert config.monitor.monitor_config.format("local_loss") == {"log"}
+    assert config.monitor.monitor_config.tensorboard_fallback == ("local_loss_format",)
     assert {"type": "MaxLogitsMonitor", "step_interval": 3} in config.callbacks
     off = _parse({"monitor_config": {"local_norm_format": "log"}})   # monitor_on False: nothing
     assert not off.monitor.train_state.active and not off.callbacks

@@ -26,13 +26,20 @@ def _statistics(section, model, optimizer, rank: int, on_host: bool, data_parall
 
 def build_monitor_config(section, model, optimizer, parameter_names: Sequence[str], rank: int,
                          on_host: Optional[bool], data_parallel, global_batch_size: Optional[int], logger,
-                         actions) -> Tuple[List[Monitor], object]:
-    """(monitors, the group's actions). The step guard is on every rank, whatever `monitor.ranks`
-    selects, so that every rank skips and stops at the same steps."""
+                         actions, collects: bool = True) -> Tuple[List[Monitor], object]:
+    """(monitors, the group's actions). The statistics are collected on the ranks `monitor.ranks`
+    selects (`collects`); the step guard is on every rank, so that every rank skips and stops at the
+    same steps."""
     from ..stats import host_is_device
 
-    on_host = host_is_device() if on_host is None else on_host
-    monitors = _statistics(section, model, optimizer, rank, on_host, data_parallel, global_batch_size, logger)
+    if section.tensorboard_fallback:
+        logger.warning("mindmon: monitor_config: no TensorBoard directory is configured (tensorboard.tensorboard_dir"
+                       " or monitor.tensorboard.tensorboard_dir); %s write to the log instead",
+                       ", ".join(section.tensorboard_fallback))
+    monitors: List[Monitor] = []
+    if collects:
+        on_host = host_is_device() if on_host is None else on_host
+        monitors = _statistics(section, model, optimizer, rank, on_host, data_parallel, global_batch_size, logger)
     if section.checks_spikes or section.check_for_nan_in_loss_and_grad or (section.monitor_on and section.print_struct):
         guard = StepGuard(section, parameter_names, rank, logger)
         monitors.append(guard)

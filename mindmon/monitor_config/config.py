@@ -149,6 +149,8 @@ class MonitorConfigSection:
     stable_rank: StableRankSection = StableRankSection()
     health_checkpoint: Optional[dict] = None
     check_for_nan_in_loss_and_grad: bool = False
+    # metrics whose `tensorboard` format fell back to `log` (no TensorBoard directory configured)
+    tensorboard_fallback: Tuple[str, ...] = ()
 
     def format(self, metric: str) -> FrozenSet[str]:
         """Where a metric goes ({} = off); everything is off unless monitor_on."""
@@ -275,10 +277,12 @@ def _without_tensorboard(section: MonitorConfigSection) -> MonitorConfigSection:
     import dataclasses
 
     formats = {k: (v - {"tensorboard"}) | {"log"} if "tensorboard" in v else v for k, v in section.formats.items()}
+    fallback = [f"{k}_format" for k in FORMAT_KEYS if "tensorboard" in section.format(k)]
     stable = section.stable_rank
     if "tensorboard" in stable.formats:
         stable = dataclasses.replace(stable, formats=(stable.formats - {"tensorboard"}) | {"log"})
-    return dataclasses.replace(section, formats=formats, stable_rank=stable)
+        fallback.append("stable_rank_config.format")
+    return dataclasses.replace(section, formats=formats, stable_rank=stable, tensorboard_fallback=tuple(fallback))
 
 
 def apply_monitor_config(raw: dict, config):
