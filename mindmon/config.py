@@ -257,6 +257,8 @@ class MonitorConfig:
     data_parallel_group: Optional[str] = None
     tensor_stats: Any = None   # mindmon.msprobe.config.TensorStatsConfig, or None when the key is absent
     alert: Any = None          # mindmon.alerts.config.AlertConfig, or None when the key is absent
+    # mindmon.monitor_config.config.MonitorConfigSection: the top-level `monitor_config` section, or None
+    monitor_config: Any = None
 
     KEYS = ("train_state", "moe_monitor", "output_dir", "ranks", "data_parallel_group", "tensor_stats", "alert")
 
@@ -265,7 +267,8 @@ class MonitorConfig:
 
     @property
     def active(self) -> bool:
-        return self.train_state.active or self.moe_monitor.active or self.collects_tensor_stats
+        return (self.train_state.active or self.moe_monitor.active or self.collects_tensor_stats
+                or (self.monitor_config is not None and self.monitor_config.active))
 
     @property
     def collects_tensor_stats(self) -> bool:
@@ -299,6 +302,8 @@ class MonitorConfig:
             out["tensor_stats"] = {k: v for k, v in dataclasses.asdict(self.tensor_stats).items() if k != "later"}
         if self.alert is not None:
             out["alert"] = self.alert.to_dict()
+        if self.monitor_config is not None:
+            out["monitor_config"] = self.monitor_config.to_dict()
         return out
 
 
@@ -456,11 +461,15 @@ def parse_sections(raw: Dict[str, Any]) -> MindmonConfig:
     if isinstance(training, dict) and "max_norm" in training:
         check_max_norm(training["max_norm"])
     optimizer = raw.get("optimizer")
-    return MindmonConfig(MonitorConfig.parse(raw.get("monitor")),
-                         ProfilerConfig.parse(raw.get("profiler")),
-                         _parse_callbacks(raw.get("callbacks")),
-                         optimizer.get("type") if isinstance(optimizer, dict) else None,
-                         _parse_qk_clip(optimizer))
+    config = MindmonConfig(MonitorConfig.parse(raw.get("monitor")),
+                           ProfilerConfig.parse(raw.get("profiler")),
+                           _parse_callbacks(raw.get("callbacks")),
+                           optimizer.get("type") if isinstance(optimizer, dict) else None,
+                           _parse_qk_clip(optimizer))
+    # MindFormers' graph-mode `monitor_config` (and `check_for_nan_in_loss_and_grad`), mapped onto the sections above.
+    from .monitor_config.config import apply_monitor_config
+
+    return apply_monitor_config(raw, config)
 
 
 def load_yaml(path: str) -> Dict[str, Any]:

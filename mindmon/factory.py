@@ -69,13 +69,21 @@ def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Opt
     """(sinks, alert actions or None)."""
     from .sinks import JsonlSink, LogSink, MegatronTokensPerExpertSink
 
-    sinks: List[Sink] = [LogSink(logger), JsonlSink(config.output_dir)]
+    section = config.monitor_config if config.monitor_config is not None and config.monitor_config.active else None
+    if section is not None:
+        from .sinks.training_state import TrainingStateLogSink
+
+        sinks: List[Sink] = [TrainingStateLogSink(logger, section), JsonlSink(config.output_dir)]
+    else:
+        sinks = [LogSink(logger), JsonlSink(config.output_dir)]
     if config.tensorboard.enabled:
-        from .sinks.tensorboard import TensorBoardSink
+        from .sinks.tensorboard import TensorBoardSink, record_tags
+        from .sinks.training_state import tensorboard_tags
 
         tensorboard = config.tensorboard
         sinks.append(TensorBoardSink(tensorboard.tensorboard_dir, tensorboard.tensorboard_log_interval,
-                                     tensorboard.tensorboard_queue_size))
+                                     tensorboard.tensorboard_queue_size,
+                                     tensorboard_tags(section, record_tags) if section is not None else record_tags))
     if config.moe_monitor.active:
         sinks.append(MegatronTokensPerExpertSink(config.output_dir))
     if config.collects_tensor_stats:
@@ -95,9 +103,11 @@ def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Opt
 
 def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, parameter_names: Sequence[str] = (),
                 rank: Optional[int] = None, logger=None, on_host: Optional[bool] = None,
-                data_parallel: Optional[DataParallel] = None) -> MonitorGroup:
+                data_parallel: Optional[DataParallel] = None, optimizer=None,
+                global_batch_size: Optional[int] = None) -> MonitorGroup:
     """The MonitorGroup of one rank: the monitors the config switches on (none on a rank that
-    `monitor.ranks` leaves out) and the sinks they write to."""
+    `monitor.ranks` leaves out) and the sinks they write to. `optimizer` and `global_batch_size`
+    serve monitor_config's optimizer state and throughput."""
     from .stats import host_is_device
 
     full = config if isinstance(config, MindmonConfig) else MindmonConfig(monitor=config)
@@ -111,6 +121,13 @@ def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, paramet
         on_host = host_is_device() if on_host is None and (monitor.active or every) else on_host
         monitors = build_monitors(monitor, model, parameter_names, rank, on_host, data_parallel, logger, every)
     sinks, actions = build_sinks(monitor, logger, rank, data_parallel)
+    if monitor.monitor_config is not None and monitor.monitor_config.active:
+        from .monitor_config.build import build_monitor_config
+
+        extra, actions = build_monitor_config(monitor.monitor_config, model, optimizer, parameter_names, rank,
+                                              on_host, data_parallel, global_batch_size, logger, actions,
+                                              monitor.selects_rank(rank))
+        monitors += extra
     return MonitorGroup(monitors, sinks, rank, logger, actions)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..engine import RunInfo
-from ..formats import log_lines, megatron_tpe
+from ..formats import log_lines, megatron_tpe, training_state_log
 from ..formats.layout import rank_in_path
 from ..records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                        MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
@@ -57,7 +57,9 @@ class LogParser:
         self.step = 0
         self.micro_step: Optional[int] = None
         self._last_local_loss: Optional[int] = None
+        self._training_state_lines = training_state_log.LineReader(rank)
         self._handlers = ((log_lines.LOSS_CALLBACK_LINE, self._loss_callback),
+                          (training_state_log.LINE, self._training_state),
                           (log_lines.MAX_LOGIT_LINE, self._max_logit), (log_lines.NORM_LINE, self._norm),
                           (log_lines.MARKER_LINE, self._marker), (log_lines.LOCAL_LOSS_LINE, self._local_loss),
                           (log_lines.DEVICE_LOSS_LINE, self._device_loss),
@@ -105,6 +107,13 @@ class LogParser:
         if self.global_batch_size:
             out.append(self._record(SAMPLES, "consumed", float(self.step * self.global_batch_size)))
         return out
+
+    def _training_state(self, match) -> Optional[List[Record]]:
+        """MindFormers' TrainingStateMonitor line (monitor_config); its max-logit lines go to `_max_logit`."""
+        if match["tag"].startswith(MAX_ATTENTION_LOGIT + "/"):
+            return self._max_logit(log_lines.MAX_LOGIT_LINE.search(match.string))
+        self._enter_step(int(match["step"]))
+        return self._training_state_lines.read(match.string) or None
 
     def _max_logit(self, match) -> List[Record]:
         self._enter_step(int(match["step"]))

@@ -52,6 +52,8 @@ def _apply_overrides(config: dict, steps: Optional[int], output: Optional[str]) 
         monitor = config["monitor"] = {**_mapping(config, "monitor"), "output_dir": os.path.join(output, "monitor")}
         if _mapping(monitor, "tensorboard").get("tensorboard_dir"):  # the sink is on: keep it in output
             monitor["tensorboard"] = {**monitor["tensorboard"], "tensorboard_dir": os.path.join(output, "tensorboard")}
+        if _mapping(config, "tensorboard").get("tensorboard_dir"):  # MindFormers' top-level section (monitor_config)
+            config["tensorboard"] = {**config["tensorboard"], "tensorboard_dir": os.path.join(output, "tensorboard")}
         if _mapping(config, "profiler").get("enable_profiling"):  # likewise the profiler's traces
             config["profiler"] = {**config["profiler"], "output_path": os.path.join(output, "profile")}
     return config

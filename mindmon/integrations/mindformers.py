@@ -165,7 +165,8 @@ def _attach(trainer, config: MindmonConfig) -> None:
     names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
     reduction = DataParallel(config.monitor.data_parallel_group)
     group = build_group(config, model=trainer.model, parameter_names=names, rank=_rank(), logger=logger,
-                        data_parallel=reduction)
+                        data_parallel=reduction, optimizer=trainer.optimizer,
+                        global_batch_size=training.global_batch_size)
     for callback in build_callbacks(group, config):
         trainer.callback_handler.add_callback(callback)
     _feed_tensor_stats(trainer, config, group)
@@ -208,6 +209,10 @@ def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
             handler.add_callback(declared[0])
             logger.info("mindmon: Muon with qk_clip_enabled: max attention logit tracking on, and a "
                         "MaxLogitsMonitor (step_interval 1) added to reset it every step")
+    wanted = [c for c in config.callbacks if c.get("type") == MAX_LOGITS_CALLBACK]
+    if wanted and not declared:   # asked for by the config alone (monitor_config.max_attention_logit_format)
+        declared = [MaxLogitsMonitor(step_interval=wanted[0].get("step_interval", 1))]
+        handler.add_callback(declared[0])
     others = tuple(c for c in config.callbacks if c.get("type") != MAX_LOGITS_CALLBACK)
     entries = tuple({"type": MAX_LOGITS_CALLBACK, "step_interval": c.step_interval} for c in declared)
     return dataclasses.replace(config, callbacks=others + entries)

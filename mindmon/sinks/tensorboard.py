@@ -108,8 +108,9 @@ class TensorBoardSink(Sink):
         sink.close()
     """
 
-    def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000):
+    def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags):
         self.tensorboard_dir = tensorboard_dir
+        self.tags = tags   # record -> [(tag, value)]; monitor_config gives MindFormers' tags (sinks/training_state.py)
         self.log_interval = log_interval
         self.queue_size = queue_size
         self.log_dir: Optional[str] = None
@@ -136,7 +137,7 @@ class TensorBoardSink(Sink):
         self.axes.see(records)
         for record in records:
             step, samples = self.axes.step(record), self.axes.samples(record)
-            for tag, value in record_tags(record):
+            for tag, value in self.tags(record):
                 self._writer.add_scalar(tag, value, step)
                 if samples is not None:
                     self._writer.add_scalar(tag + VS_SAMPLES, value, samples)
