@@ -23,7 +23,7 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_overhead.py"), "--tiny", "--rounds", "2", "--steps-per-block", "1",
-         "--warmup", "1", "--scaling-layers", "2", "--scaling-rounds", "1", "--json", str(out),
+         "--warmup", "1", "--scaling-layers", "2", "--scaling-rounds", "1", "--peers", "--peer-steps", "1", "--json", str(out),
          "--output-dir", str(tmp_path / "monitor")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -38,6 +38,8 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     assert [row["config"] for row in data["scaling"][0]["rows"]] == ["off", "train_state"]
     assert data["settings"]["pynative_synchronize"] is True
     assert "host_sync_ref / train_state: added wall time" in result.stdout
+    peers = {row["implementation"]: row for row in data["peers"]}
+    assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
     # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step) has
     # a local_norm per parameter tensor per micro-step, in its own metrics file.
     tensors = data["main"]["size"]["parameter_tensors"]

@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     import bench_overhead as bench
 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
-    work = bench.Workload(bench.TINY if args.tiny else bench.BenchSize(bench.BENCH_MODEL))
+    work = bench.Workload(bench.TINY if args.tiny else bench.BenchSize(bench.BENCH_MODEL), optimizer="AdamW")
     scale = 1.0 / work.size.micro_steps
     grad_fn = value_and_grad(lambda ids, labels: work.loss(ids, labels) * scale, None, work.optimizer.parameters)
     _loop_step(work, grad_fn)   # warm-up

@@ -26,6 +26,7 @@ import logging
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,8 +71,9 @@ TRAIN_STATE = {"local_norm": True, "local_loss": True, "device_norm": True, "dev
 class Workload:
     """One demo model, its optimizer and one fixed global batch, shared by every configuration."""
 
-    def __init__(self, size: BenchSize):
+    def __init__(self, size: BenchSize, optimizer: str = "AdamWeightDecay"):
         from mindspore import Tensor, nn
+        from mindspore.experimental.optim import AdamW
 
         from mindmon.demo.data import make_sequences
         from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
@@ -80,7 +82,9 @@ class Workload:
         self.config = DemoModelConfig(**size.model)
         self.model = DemoMoEGPT(self.config)
         self.model.set_train(True)
-        self.optimizer = nn.AdamWeightDecay(self.model.trainable_params(), learning_rate=1e-4)
+        # AdamW: mindspore.experimental.optim's, the optimizer msprobe's TrainerMon hooks on CPU.
+        self.optimizer = (AdamW(self.model.trainable_params(), lr=1e-4) if optimizer == "AdamW" else
+                          nn.AdamWeightDecay(self.model.trainable_params(), learning_rate=1e-4))
         sequences = make_sequences(size.micro_batch * size.micro_steps, self.config.seq_length,
                                    self.config.vocab_size)
         self.batch = (Tensor(sequences[:, :-1]), Tensor(sequences[:, 1:]))
@@ -463,6 +467,43 @@ def measure_sequence(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
     return results
 
 
+def measure_peers(args, out_dir: Path, log) -> List[dict]:
+    """mindmon's and msprobe's TrainerMon on the same msprobe-style loop and statistics, one process
+    each (tools/bench_msprobe_peer.py). msprobe's row is there when `import msprobe.mindspore` works in
+    this environment (pip install mindstudio-probe, plus its dependencies)."""
+    script = Path(__file__).resolve().parent / "bench_msprobe_peer.py"
+    rows = []
+    for implementation in ("mindmon", "msprobe"):
+        if implementation == "msprobe" and subprocess.run([sys.executable, "-c", "import msprobe.mindspore"],
+                                                          capture_output=True).returncode:
+            log("peer run: msprobe is not importable here; its row is left out")
+            continue
+        log(f"peer run: {implementation}")
+        done = subprocess.run([sys.executable, str(script), implementation, str(out_dir / f"peer_{implementation}"),
+                               "--steps", str(args.peer_steps)] + (["--tiny"] if args.tiny else []),
+                              capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            log(f"peer run: {implementation} failed: {done.stderr[-500:]}")
+            continue
+        row = json.loads(lines[-1])
+        row.update(ratio_to_off=row["on_median_s"] / row["off_median_s"],
+                   added_ms_per_step=(row["on_median_s"] - row["off_median_s"]) * 1e3)
+        rows.append(row)
+    return rows
+
+
+def _peer_lines(rows: List[dict]) -> List[str]:
+    if not rows:
+        return []
+    lines = ["", "peers (msprobe-style loop; weights, gradients, Adam moments of every parameter; "
+                 "ops min/max/mean/zeros/nans; one process each, off then on):",
+             f"{'TrainerMon':<12}{'off step s':>12}{'on step s':>11}{'x off':>8}{'added ms':>10}"]
+    lines += [f"{r['implementation']:<12}{r['off_median_s']:>12.3f}{r['on_median_s']:>11.3f}"
+              f"{r['ratio_to_off']:>8.3f}{r['added_ms_per_step']:>10.1f}" for r in rows]
+    return lines
+
+
 def format_tables(result: dict) -> str:
     head = (f"{'config':<17}{'median step s':>14}{'x off':>8}{'added ms':>10}{'round ratios min..max':>24}"
             f"{'min x off':>11}"
@@ -490,6 +531,7 @@ def format_tables(result: dict) -> str:
                          f"{ours['round_ratio_min']:>12.4f}..{ours['round_ratio_max']:<10.4f}"
                          f"{ours['cpu_ratio_to_off']:>11.4f}{_split(ours):>22}")
     lines += _sequence_lines(result.get("sequence") or [], result["main"])
+    lines += _peer_lines(result.get("peers") or [])
     return "\n".join(lines)
 
 
@@ -532,6 +574,9 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=BENCH_MODEL["num_layers"], help="decoder layers of the main run")
     parser.add_argument("--scaling-layers", type=int, nargs="*", default=[2, 8, 32])
     parser.add_argument("--scaling-rounds", type=int, default=3, help="rounds of one step per configuration")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run the msprobe peer comparison (tools/bench_msprobe_peer.py)")
+    parser.add_argument("--peer-steps", type=int, default=4, help="timed steps per phase of a peer run")
     parser.add_argument("--seq-lengths", type=int, nargs="*", default=[512],
                         help="sequence lengths of the sequence run (the main model, off vs train_state)")
     parser.add_argument("--scaling-hidden", type=int, default=128,
@@ -562,7 +607,8 @@ def main(argv=None) -> dict:
                            "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()},
               "main": measure_main(size, args, out_dir, log),
               "scaling": measure_scaling(scaling_size, args, out_dir, log),
-              "sequence": measure_sequence(size, args, out_dir, log) if not args.tiny else []}
+              "sequence": measure_sequence(size, args, out_dir, log) if not args.tiny else [],
+              "peers": measure_peers(args, out_dir, log) if args.peers else []}
     result["settings"]["load_average_at_end"] = os.getloadavg()
     result["settings"]["wall_s"] = time.perf_counter() - started
     result["settings"]["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
