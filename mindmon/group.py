@@ -49,6 +49,11 @@ class MonitorGroup:
         rank at the same step. Every rank must ask at every step."""
         return self.actions is not None and self.actions.should_stop()
 
+    def should_skip_update(self, grad_norm: float) -> bool:
+        """Before the update: True when an action (an alert's skip_nonfinite_update, monitor_config's spike
+        or NaN check) asks to skip it. Every rank must ask at every step."""
+        return self.actions is not None and bool(self.actions.should_skip_update(grad_norm))
+
     def setup(self, start_step: int = 0, global_batch_size: Optional[int] = None, max_steps: Optional[int] = None,
               micro_steps_per_step: Optional[int] = None) -> None:
         """Open the sinks (a run resumed past step 0 appends to its files). A directory that cannot be

@@ -91,7 +91,8 @@ class AccumulatingTrainStep:
             reduced, mean_loss = self._reduce(accumulated, loss_sum, group)
             grad_norm = self._global_norm(reduced)
             accumulated = self._clip(reduced, grad_norm)
-        skip = self._actions_skip(grad_norm)   # asked at every step: the actions may take part in a collective
+        # Asked at every step: the group's actions may take part in a collective.
+        skip = self.group is not None and self.group.should_skip_update(grad_norm)
         if np.isfinite(grad_norm) and not skip:
             self.optimizer(accumulated)
         if group is not None:
@@ -125,12 +126,6 @@ class AccumulatingTrainStep:
         if self.max_norm > 0 and np.isfinite(grad_norm) and grad_norm > self.max_norm:
             self._host.scale(self.max_norm / grad_norm)
         return self._host.take()
-
-    def _actions_skip(self, grad_norm: float) -> bool:
-        """True when the group's actions (an alert's skip_nonfinite_update, monitor_config's spike
-        check) ask to skip this step's update."""
-        actions = self.group.actions if self.group is not None else None
-        return actions is not None and bool(actions.should_skip_update(grad_norm))
 
     def _reduce(self, accumulated, loss_sum, group):
         """The data-parallel mean of the gradients and of the micro-batch losses, with what the

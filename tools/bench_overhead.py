@@ -157,6 +157,9 @@ class TimedGroup:
     def flush(self, step: int) -> None:
         self._timed(False, self.group.flush, step)
 
+    def should_skip_update(self, grad_norm: float) -> bool:
+        return self.group.should_skip_update(grad_norm)
+
 
 def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[dict], max_logits: bool,
                  host_sync_norms: bool):
