@@ -15,7 +15,7 @@ from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_bat
 from mindmon.demo.data import make_sequences
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats"]
+CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats", "activations"]
 K = 2  # micro-steps per step in the benchmark's --tiny size
 
 
@@ -55,6 +55,8 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
         assert glob.glob(str(tmp_path / "monitor" / "tensor_stats" / "*-rank0-*" / f"{point}_0-0.csv")), point
     with open(sorted(grads)[0]) as handle:
         assert sum(1 for _ in handle) == 1 + tensors
+    actv = glob.glob(str(tmp_path / "monitor" / "activations" / "*-rank0-*" / "actv_[0-9]*.csv"))
+    assert len(actv) == 4 and rows["activations"]["in_mindmon_ms_per_step"] > 0
 
 
 def test_host_sync_reference_computes_the_same_norms(rng):

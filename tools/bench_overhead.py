@@ -251,25 +251,40 @@ class HookTimer:
         monitor._before_update = self.wrap(monitor._before_update, True)
         monitor._after_update = self.wrap(monitor._after_update, False)
 
+    def instrument_cells(self) -> None:
+        """The cell hooks of activation monitoring are made by ActivationHooks when TrainerMon attaches;
+        this bench process times every one it makes (only the activations configuration makes any)."""
+        from mindmon.msprobe.activations import ActivationHooks
+
+        for factory in ("_forward_hook", "_backward_hook"):
+            make = getattr(ActivationHooks, factory)
+            setattr(ActivationHooks, factory,
+                    lambda hooks, name, plan, make=make: self.wrap(make(hooks, name, plan), True))
+
 
 ALL_OPS = ["min", "max", "mean", "norm", "zeros", "nans"]
 
 
-class TensorStatsConfiguration(Configuration):
-    """msprobe's statistics of every parameter (weights before and after the update, gradients before
-    and after the reduction, Adam's moments; every op) through mindmon's TrainerMon. On a model of its
-    own: TrainerMon hooks its optimizer instance for the whole run."""
+PARAMETER_STATS = {"param_distribution": True, "wg_distribution": True, "mv_distribution": True}
+ACTIVATIONS = {"xy_distribution": True, "all_xy": True}
 
-    def __init__(self, name: str, size: "BenchSize", out_dir: Path):
+
+class TensorStatsConfiguration(Configuration):
+    """msprobe's statistics through mindmon's TrainerMon (`monitored`: of every parameter, or the inputs
+    and outputs of every cell and their gradients), every op. On a model of its own: TrainerMon hooks
+    its optimizer instance and cells for the whole run."""
+
+    def __init__(self, name: str, size: "BenchSize", out_dir: Path, monitored: dict):
         from mindmon.msprobe import TrainerMon, parse_tensor_stats
 
         super().__init__(name, Workload(size), out_dir)
         os.environ["MONITOR_OUTPUT_DIR"] = str(out_dir / name)
-        config = parse_tensor_stats({"param_distribution": True, "wg_distribution": True, "mv_distribution": True,
-                                     "ops": ALL_OPS})
+        config = parse_tensor_stats({**monitored, "ops": ALL_OPS})
         self.timer = HookTimer()
         self.monitor = TrainerMon.from_config(config, params_have_main_grad=False)
         self.timer.instrument(self.monitor)
+        if monitored.get("xy_distribution"):
+            self.timer.instrument_cells()
         self.monitor.set_monitor(self.work.model, size.micro_steps, self.work.optimizer)
 
     def step(self) -> "StepTime":
@@ -415,7 +430,8 @@ def _main_configs(work: Workload, out_dir: Path) -> List[Configuration]:
         Configuration("train_state", work, out_dir, {"train_state": TRAIN_STATE}),
         Configuration("+moe+max_logits", work, out_dir, both, max_logits=True),
         Configuration("host_sync_ref", work, out_dir, {"train_state": TRAIN_STATE}, host_sync_norms=True),
-        TensorStatsConfiguration("tensor_stats", work.size, out_dir),
+        TensorStatsConfiguration("tensor_stats", work.size, out_dir, PARAMETER_STATS),
+        TensorStatsConfiguration("activations", work.size, out_dir, ACTIVATIONS),
     ]
 
 
