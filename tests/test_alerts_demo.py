@@ -51,11 +51,15 @@ def test_demo_delivers_anomalies_to_postgresql_and_email(tmp_path, postgres_url,
     assert expected, "the rule is tuned to fire on this run"
     with create_engine(postgres_url).connect() as connection:
         stored = connection.execute(text("SELECT kind, step, rule_name FROM demo_anomalies")).fetchall()
+        shown = connection.execute(text("SELECT id, step, tag_name, statistic, value_text, rule_name "
+                                        "FROM demo_anomalies ORDER BY id")).fetchall()
+    print("\n[alerts demo] rows in PostgreSQL:", *shown, sep="\n  ")
     assert {(kind, step) for kind, step, _ in stored} == expected and len(stored) == len(expected)
     assert {rule for _, _, rule in stored} == {"AnomalyTurbulence"}
 
     assert smtp_inbox.received.wait(30)
-    body = "\n".join(m.get_payload() for m in smtp_inbox.messages)
+    body = "\n".join(m.get_payload(decode=True).decode() for m in smtp_inbox.messages)
+    print(f"[alerts demo] e-mail received: {smtp_inbox.messages[0]['Subject']}\n{body[:600]}")
     assert all(f"step {step}" in body for _, step in expected)
 
     analysed = subprocess.run([sys.executable, "-m", "mindmon", "anomalies", "-d", str(out / "monitor"), "-k", "3"],
