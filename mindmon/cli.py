@@ -22,11 +22,30 @@ def _check_config(args) -> int:
     from .config import ConfigError, describe_error, dump_sections, load_yaml, parse_sections
 
     try:
-        print(dump_sections(parse_sections(load_yaml(args.file))), end="")
+        config = parse_sections(load_yaml(args.file))
+        _check_callback_types(config)
+        print(dump_sections(config), end="")
     except (ConfigError, OSError) as error:
         print(f"mindmon: {describe_error(args.file, error)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_callback_types(config) -> None:
+    """With MindFormers installed, its registry names the callback types it knows."""
+    if all(entry["type"] == "MaxLogitsMonitor" for entry in config.callbacks):
+        return
+    import tempfile
+
+    os.environ.setdefault("LOG_MF_PATH", tempfile.mkdtemp(prefix="mindmon-check-config-"))  # its import logs
+    try:
+        from .integrations.mindformers import check_callback_types
+    except ImportError:
+        return
+    try:
+        check_callback_types(config)
+    except ImportError:
+        print("mindmon: MindFormers is not installed here: callback types are not checked", file=sys.stderr)
 
 
 def _demo(args) -> int:

@@ -203,7 +203,7 @@ ACCEPTED = [
     {"monitor": {"health_checkpoint": {"anything": "passes"}, "output_dir": "/tmp/rün dir"}},
     {"profiler": {"enable_profiling": True, "start_step": 3, "end_step": 5, "profiler_level": 7,
                   "profiler_rank": [0], "output_path": "./prof"}},
-    {"callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 5}, {"type": "SomethingElse", "x": [1]}]},
+    {"callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 5}, {"type": "TimeMonitor", "data_size": 1}]},
     {"training": {"max_norm": 0}},
     {"training": {"max_norm": 0.25}},
     {"training": {"max_norm": 3}},

@@ -142,3 +142,17 @@ def test_a_large_yaml_loads_in_seconds(tmp_path):
     raw = load_yaml(str(tmp_path / "big.yaml"))
     assert time.perf_counter() - started < 10
     assert raw["train_dataset"]["files"][-1] == files[-1] and len(raw["train_dataset"]["files"]) == 120_000
+
+
+def test_unknown_callback_type_names_the_closest_registered_ones(tmp_path, capsys):
+    from mindmon.cli import main
+
+    path = tmp_path / "callbacks.yaml"
+    path.write_text("callbacks:\n  - type: MaxLogitMonitor\n  - type: NoSuchMonitor\n")
+    assert main(["check-config", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mindmon: {path}: callbacks[0].type: got 'MaxLogitMonitor', which no MindFormers callback is "
+                   f"registered as; allowed: a registered callback type, e.g. MaxLogitsMonitor, MFLossMonitor, "
+                   f"LossMonitor"]
+    path.write_text("callbacks:\n  - type: TimeMonitor\n  - type: MaxLogitsMonitor\n")
+    assert main(["check-config", str(path)]) == 0

@@ -13,6 +13,7 @@
 import contextlib
 import copy
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
@@ -74,6 +75,23 @@ def _register_callbacks() -> None:
                                     alias="MaxLogitsMonitor")
 
 
+def check_callback_types(config: MindmonConfig) -> None:
+    """A `callbacks:` type MindFormers' registry does not know is a ConfigError naming the closest
+    known names, before the Trainer is built (the registry itself fails later, inside the build)."""
+    if not config.callbacks:
+        return
+    import mindformers  # noqa: F401  (importing it registers its callbacks)
+    from mindformers.tools.register.register import MindFormerModuleType, MindFormerRegister
+
+    known = sorted(set(MindFormerRegister.registry.get(MindFormerModuleType.CALLBACK, {})) | {"MaxLogitsMonitor"})
+    for index, entry in enumerate(config.callbacks):
+        if entry["type"] not in known:
+            close = difflib.get_close_matches(entry["type"], known, n=3)
+            raise ConfigError(f"callbacks[{index}].type: got {entry['type']!r}, which no MindFormers callback is "
+                              f"registered as; allowed: a registered callback type"
+                              + (f", e.g. {', '.join(close)}" if close else f" such as {', '.join(known[:5])}"))
+
+
 def _wrap_init(stock_init):
     signature = inspect.signature(stock_init)
 
@@ -82,6 +100,7 @@ def _wrap_init(stock_init):
         bound = signature.bind(self, *args, **kwargs)
         raw = _raw_config(bound.arguments.get("config"))
         mindmon_config = parse_sections(raw) if raw is not None else MindmonConfig()
+        check_callback_types(mindmon_config)
         if raw is not None:
             bound.arguments["config"] = stock_sections(raw)
         with _single_process_view():
