@@ -13,6 +13,7 @@
 .step, .monitors, .sinks, .callbacks, .probes, .integrations; these commands use mindmon.analysis.
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -43,7 +44,8 @@ def _check_callback_types(config) -> None:
     except ImportError:
         return
     try:
-        check_callback_types(config)
+        with contextlib.redirect_stdout(sys.stderr):   # MindFormers logs to stdout when imported
+            check_callback_types(config)
     except ImportError:
         print("mindmon: MindFormers is not installed here: callback types are not checked", file=sys.stderr)
 
