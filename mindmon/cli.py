@@ -43,8 +43,9 @@ def _check_callback_types(config) -> None:
         from .integrations.mindformers import check_callback_types
     except ImportError:
         return
+    quiet = open(os.devnull, "w")   # left open: MindFormers' console handlers keep the stream they were made with
     try:
-        with contextlib.redirect_stdout(sys.stderr):   # MindFormers logs to stdout when imported
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):   # its import logs warnings
             check_callback_types(config)
     except ImportError:
         print("mindmon: MindFormers is not installed here: callback types are not checked", file=sys.stderr)
