@@ -156,3 +156,18 @@ def test_unknown_callback_type_names_the_closest_registered_ones(tmp_path, capsy
                    f"LossMonitor"]
     path.write_text("callbacks:\n  - type: TimeMonitor\n  - type: MaxLogitsMonitor\n")
     assert main(["check-config", str(path)]) == 0
+
+
+def test_a_dataset_batched_by_the_local_batch_size_is_refused_before_training(tmp_path):
+    """The Trainer's steps take global_batch_size / dp samples and mindmon cuts them into K micro-batches:
+    a launch script that batches by local_batch_size would silently train on half-size micro-batches."""
+    from mindformers.pynative.trainer import Trainer
+
+    from mindmon.demo.data import make_dataset
+
+    config = trainer_config(tmp_path, monitor={"train_state": {"device_loss": True}}, local_batch_size=2,
+                            global_batch_size=4)
+    dataset = make_dataset(8, SMALL_MODEL["seq_length"], SMALL_MODEL["vocab_size"], 2)
+    with pytest.raises(ConfigError, match=r"^train_dataset: yields batches of 2 samples; allowed: global_batch_size "
+                                          r"/ data_parallel = 4 samples per step"):
+        Trainer(config=config, model=make_model(), train_dataset=dataset)

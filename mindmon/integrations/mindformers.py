@@ -179,6 +179,7 @@ def _attach(trainer, config: MindmonConfig) -> None:
             f"training.global_batch_size: got {training.global_batch_size}, which is not a multiple of "
             f"data_parallel ({data_parallel}) x training.local_batch_size ({training.local_batch_size}); "
             f"allowed: a multiple, so that every step runs whole micro-batches")
+    _check_batch_size(trainer.train_dataset, training.global_batch_size // data_parallel, training.local_batch_size)
     logger = _mindformers_logger()
     config = _with_max_logits(trainer, config, logger)
     names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
@@ -203,6 +204,17 @@ def _feed_tensor_stats(trainer, config: MindmonConfig, group) -> None:
         return
     feeder = TrainerMon.feeding(config.monitor.tensor_stats, group, params_have_main_grad=False)
     feeder.set_monitor(trainer.model, trainer.num_accumulation_steps, trainer.optimizer)
+
+
+def _check_batch_size(dataset, per_step: int, local_batch_size: int) -> None:
+    """Each step's batch is cut into K micro-batches of local_batch_size samples: a dataset batched by
+    something else would train silently on other micro-batches."""
+    get_batch_size = getattr(dataset, "get_batch_size", None)
+    size = get_batch_size() if callable(get_batch_size) else None
+    if size is not None and size != per_step:
+        raise ConfigError(f"train_dataset: yields batches of {size} samples; allowed: global_batch_size / "
+                          f"data_parallel = {per_step} samples per step, which mindmon cuts into micro-batches "
+                          f"of training.local_batch_size = {local_batch_size} (batch the dataset by {per_step})")
 
 
 def _is_muon(optimizer) -> bool:
