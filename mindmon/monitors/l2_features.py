@@ -207,18 +207,25 @@ class L2FeaturesMonitor(Monitor):
         self.chunk_elements = chunk_elements
         self.vectors: Dict[str, object] = {}     # weight name -> last step's singular vector estimate
         self._pending: List[tuple] = []          # (kind, name, micro_step, ops, shape, dtype, values)
+        self._calls: Dict[str, int] = {}         # name -> records of this step
 
     def reset(self) -> None:
         self._pending.clear()
+        self._calls: Dict[str, int] = {}
 
     def record(self, key: str, value=None, context: Optional[dict] = None) -> None:
-        micro_step = (context or {}).get("micro_step")
+        """Attention: `micro_step` from the context, else the cell's count of calls in this step. Linear: the
+        first call of a step counts (the weight is the same for every micro-batch of a step)."""
+        name = value[0]
+        calls = self._calls.get(name, 0)
+        self._calls[name] = calls + 1
         if key == ATTENTION_HOOK:
-            name, q, k = value
+            _, q, k = value
             values = self._attention(q, k)
+            micro_step = (context or {}).get("micro_step", calls)
             self._pending.append((key, name, micro_step, ATTENTION_OPS, _shape(q), str(q.dtype), values))
-        elif key == LINEAR_HOOK:
-            name, weight = value
+        elif key == LINEAR_HOOK and not calls:
+            _, weight = value
             values = self._linear(name, weight)
             self._pending.append((key, name, None, LINEAR_OPS, _shape(weight), str(weight.dtype), values))
 

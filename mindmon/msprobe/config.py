@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Tuple
 from ..config import ConfigError, ConfigTypeError, _bool, _describe, _is_int, _type_error, _value_error
 from ..formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT
 from ..monitors.tensor_stats import OPS
+from .l2_cc_config import CC_KEY, L2_KEYS, parse_cc, parse_l2
 
 logger = logging.getLogger("mindmon")
 
@@ -26,13 +27,11 @@ LATER_CAPABILITIES = {
     "xy_distribution": "activation monitoring", "all_xy": "activation monitoring",
     "forward_only": "activation monitoring", "backward_only": "activation monitoring",
     "dynamic_on": "dynamic on/off",
-    "l2_targets": "L2 interpretable features", "recording_l2_features": "L2 interpretable features",
-    "sa_order": "L2 interpretable features", "cc_distribution": "communication-operator monitoring",
     "print_struct": "model-structure printing", "stack_info": "module stack capture",
     "ur_distribution": "update/ratio heat maps", "mg_direction": "gradient/momentum direction",
     "mg_distribution": "gradient/momentum direction",
 }
-_LATER_TYPES = {"l2_targets": dict, "cc_distribution": dict, "sa_order": str}
+_LATER_TYPES: Dict[str, type] = {}
 
 _DEFAULTS = {
     "targets": {}, "param_distribution": False, "wg_distribution": False, "mv_distribution": False,
@@ -40,7 +39,7 @@ _DEFAULTS = {
     "collect_times": 100000000, "module_ranks": [], "format": "csv", "step_count_per_record": 1,
     "squash_name": False, "append_output": [], "significant_digits": False,
 }
-KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES)
+KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES) + L2_KEYS + (CC_KEY,)
 MAX_STEP_COUNT_PER_RECORD = 1000000
 ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
 
@@ -68,10 +67,16 @@ class TensorStatsConfig:
     significant_digits: bool = False        # mindmon's opt-in: ndigits counts significant digits
     alert: Any = None                       # mindmon.alerts.config.AlertConfig of the `alert` block
     later: Dict[str, Any] = field(default_factory=dict)  # keys of later capabilities, as given
+    l2: Any = None                          # mindmon.msprobe.l2_cc_config.L2Config (L2 features)
+    cc: Any = None                          # mindmon.msprobe.l2_cc_config.CcConfig (cc_distribution)
 
     @property
     def active(self) -> bool:
-        return self.param_distribution or self.wg_distribution or self.mv_distribution
+        return self.param_distribution or self.wg_distribution or self.mv_distribution or self.l2_or_cc_active
+
+    @property
+    def l2_or_cc_active(self) -> bool:
+        return (self.l2 is not None and self.l2.active) or (self.cc is not None and self.cc.active)
 
     def selects_rank(self, rank: int) -> bool:
         return not self.module_ranks or rank in self.module_ranks
@@ -121,7 +126,8 @@ def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
         step_count_per_record=_int_in(_key(path, "step_count_per_record"), raw["step_count_per_record"],
                                       1, MAX_STEP_COUNT_PER_RECORD),
         append_output=_append_output(_key(path, "append_output"), raw["append_output"]),
-        alert=_alert(path, section.get("alert")), later=later, **flags)
+        alert=_alert(path, section.get("alert")), later=later,
+        l2=parse_l2(path, section), cc=parse_cc(path, section.get(CC_KEY)), **flags)
 
 
 def _alert(path: str, section: Any):

@@ -33,6 +33,7 @@ from ..stats import host_is_device
 from .accumulate import GradientSums
 from ..formats.msprobe_csv import output_root as csv_output_root
 from .config import TensorStatsConfig, _ops, load_config_json
+from .l2_hooks import attach_l2_and_collectives
 from .targets import find_moments, optimizer_parameters, select_parameters
 
 logger = logging.getLogger("mindmon")
@@ -118,6 +119,8 @@ class TrainerMon:
         self._keep_grads = _keeps_reduced_gradients(dp_group, tp_group, parameters, self.selected)
         self.step = start_iteration
         self._build_group(start_iteration)
+        self._handles += attach_l2_and_collectives(self.config, model, optimizer, self.group,
+                                                   lambda: self._collecting, self.rank, self.on_host)
         self._attach(optimizer)
         logger.info("mindmon: TrainerMon collects %s for %d parameters%s", self._points(), len(self.selected),
                     f" into {self.sink.folder}" if self.sink is not None else "")
