@@ -4,7 +4,7 @@ Phase 1 (statistics): TrainerMon with cc_distribution {enable, cc_pre_hook, cc_c
 `exchange`}; each step the rank all-reduces its gradients, all-gathers and broadcasts a small tensor (taken)
 and all-reduces a "metric" from `sync_metric` (left out by cc_codeline). Every tensor sent is saved to
 sent_rank<r>.npz for the test's numpy check. (comm_func.all_reduce is not called: on CPU its kernel fails
-asynchronously and breaks the next MindSpore op of the process.)
+asynchronously and breaks the next MindSpore op of the process; ops.ReduceScatter has no CPU kernel.)
 Phase 2 (cc_log_only): the calls are logged, training stops before the second optimizer step, the
 collectives are restored.
 """
