@@ -120,3 +120,60 @@ def test_off_attaches_nothing_and_bad_keys_are_config_errors(tmp_path, monkeypat
         with pytest.raises(ConfigError) as error:
             train(write_config(tmp_path, **keys), steps=0)
         assert message in str(error.value), (keys, str(error.value))
+
+
+def test_alert_rule_on_softmax_max(tmp_path, monkeypatch):
+    """An AnomalyNan rule with a threshold on attention_hook's softmax_max fires exactly where numpy's value
+    is above it (the threshold: the median of numpy's values, so some fire and some do not)."""
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    # The same seeds give the same run: numpy's values first, from an unmonitored run.
+    _, seen = train(write_config(tmp_path), steps=STEPS)
+    expected = {}
+    for step, (weights, xs) in seen.items():
+        for micro, x in enumerate(xs):
+            q = (x.astype(np.float64) @ weights["wq.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
+            k = (x.astype(np.float64) @ weights["wk.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
+            expected[(step + 1, micro)] = reference_attention(q, k, causal=True)[1]
+    threshold = float(np.median(list(expected.values())))
+    rule = {"rule_name": "AnomalyNan", "args": {"threshold": threshold}, "kinds": ["attention_hook"],
+            "statistics": ["softmax_max"]}
+    train(write_config(tmp_path, l2_targets={"attention_hook": ["core"]}, recording_l2_features=True,
+                       sa_order="b,s,h,d", alert={"rules": [rule], "dump": True}))
+    (dump,) = glob.glob(str(tmp_path / "out" / "anomaly_detected" / "rank0" / "anomaly.json"))
+    with open(dump) as handle:
+        fired = {(e["step"], e["micro_step"]): e["value"] for e in json.load(handle).values()}
+    assert set(fired) == {key for key, value in expected.items() if value > threshold}, (fired, expected)
+    assert all(value == pytest.approx(expected[key], rel=1e-5) for key, value in fired.items())
+
+
+def test_attach_l2_features_finds_every_attention_and_linear_cell_of_the_demo_model():
+    """The benchmark's entry point: every cell whose construct takes (q, k, ...) and every cell with a 2-D
+    weight; the demo's attention cores take 2-D (tokens, heads x head_dim) Q and K, read as one sequence."""
+    from conftest import SMALL_MODEL, make_model
+    from mindmon.msprobe.l2_hooks import attach_l2_features
+
+    model = make_model()
+    model.set_train(True)
+    monitor, handles = attach_l2_features(model, on_host=True)
+    cells = dict(model.cells_and_names())
+    core = "decoder.layers.1.self_attention.core_attention"
+    captured = []
+    cells[core].register_forward_pre_hook(lambda cell, inputs: captured.append([t.asnumpy() for t in inputs[:2]]))
+    ids = ms.Tensor(np.random.default_rng(0).integers(0, SMALL_MODEL["vocab_size"], (2, SMALL_MODEL["seq_length"])),
+                    ms.int32)
+    model(ids, ids)
+    records = {(r.kind, r.name): r for r in monitor.collect(1)}
+    attention_cells = {n for n, c in cells.items() if type(c).__name__ == "CoreAttention"}
+    assert {name for kind, name in records if kind == "attention_hook"} == {f"{n}.attention" for n in attention_cells}
+    assert sum(kind == "linear_hook" for kind, _ in records) == len(handles) - len(attention_cells) == 29  # 28 Linear/Router + the embedding
+    q, k = (t.astype(np.float64).reshape(1, t.shape[0], SMALL_MODEL["num_attention_heads"], -1) for t in captured[0])
+    assert records[("attention_hook", f"{core}.attention")].value == \
+        pytest.approx(reference_attention(q, k, causal=True), rel=1e-5)
+    w = cells["output_layer"].weight.asnumpy().astype(np.float64)
+    singular = np.linalg.svd(w, compute_uv=False)
+    assert records[("linear_hook", "output_layer.linear")].value == \
+        pytest.approx([np.linalg.norm(w) / singular[0], np.linalg.norm(w)], rel=1e-4)
+    for handle in handles:
+        handle.remove()
+    model(ids, ids)
+    assert monitor.collect(2) == []
