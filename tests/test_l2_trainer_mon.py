@@ -177,3 +177,15 @@ def test_attach_l2_features_finds_every_attention_and_linear_cell_of_the_demo_mo
         handle.remove()
     model(ids, ids)
     assert monitor.collect(2) == []
+
+
+def test_a_cell_without_q_and_k_is_said_once_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    config = write_config(tmp_path, l2_targets={"attention_hook": ["wq"], "linear_hook": ["out"]},
+                          recording_l2_features=True)
+    with caplog.at_level("WARNING", logger="mindmon"):
+        train(config)   # wq takes one input: no Q and K
+    skipped = [r.getMessage() for r in caplog.records if "attention features of wq.attention skipped" in r.getMessage()]
+    assert len(skipped) == 1, skipped
+    rows = [r for path in glob.glob(str(tmp_path / "out" / "*" / "*.csv")) for r in read_csv(path)]
+    assert {(r.kind, r.name, r.step) for r in rows} == {("linear_hook", "out.linear", s) for s in (1, 2)}
