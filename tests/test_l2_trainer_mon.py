@@ -189,3 +189,13 @@ def test_a_cell_without_q_and_k_is_said_once_and_training_goes_on(tmp_path, monk
     assert len(skipped) == 1, skipped
     rows = [r for path in glob.glob(str(tmp_path / "out" / "*" / "*.csv")) for r in read_csv(path)]
     assert {(r.kind, r.name, r.step) for r in rows} == {("linear_hook", "out.linear", s) for s in (1, 2)}
+
+
+def test_a_yaml_cell_error_names_the_full_key_path():
+    from mindmon.msprobe.config import parse_tensor_stats
+    from mindmon.msprobe.l2_hooks import select_l2_cells
+
+    config = parse_tensor_stats({"l2_targets": {"attention_hook": ["nope"]}, "recording_l2_features": True},
+                                "monitor.tensor_stats")
+    with pytest.raises(ConfigError, match=r"^monitor\.tensor_stats\.l2_targets\.attention_hook: 'nope' is not"):
+        select_l2_cells(Net(), config.l2)

@@ -141,8 +141,9 @@ class CollectivePatch:
         self._saved.clear()
 
     def call(self, api: str, run, args, kwargs, primitive):
-        """The user's collective call, observed. Only the outermost collective of a call is taken."""
-        if getattr(self._local, "inside", False) or not self.collecting():
+        """The user's collective call, observed. Only the outermost collective of a call is taken;
+        `cc_log_only` logs in every step (it is about finding the calls, not about collected steps)."""
+        if getattr(self._local, "inside", False) or not (self.cc.log_only or self.collecting()):
             return run()
         stack = call_stack()
         if self.patterns and not any(p.search(line) for p in self.patterns for line in stack):

@@ -29,6 +29,7 @@ class L2Config:
     recording: bool = False                          # recording_l2_features
     sa_order: str = "s,b,h,d"                        # layout of the attention cell's Q and K inputs
     causal: bool = True                              # sa_causal: mask keys after the query
+    path: str = ""                                   # where the keys were read ("monitor.tensor_stats"), for errors
 
     @property
     def active(self) -> bool:
@@ -71,7 +72,7 @@ def parse_l2(path: str, section: Dict[str, Any]) -> L2Config:
                     linear_targets=None if linear is None else tuple(linear),
                     recording=_bool(_key(path, "recording_l2_features"), section.get("recording_l2_features", False)),
                     sa_order=order.replace(" ", ""),
-                    causal=_bool(_key(path, "sa_causal"), section.get("sa_causal", True)))
+                    causal=_bool(_key(path, "sa_causal"), section.get("sa_causal", True)), path=path)
 
 
 def parse_cc(path: str, value: Any) -> CcConfig:

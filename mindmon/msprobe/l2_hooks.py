@@ -52,8 +52,9 @@ def find_cells(model, names: Sequence[str], key_path: str) -> List[Tuple[str, ob
     return found
 
 
-def select_l2_cells(model, l2: L2Config, key_path: str = "l2_targets"):
+def select_l2_cells(model, l2: L2Config):
     """(attention cells, linear cells) the config names; `linear_hook: []` = every cell with a 2-D weight/wg."""
+    key_path = f"{l2.path}.l2_targets" if l2.path else "l2_targets"
     attention = find_cells(model, l2.attention_targets, f"{key_path}.attention_hook")
     if l2.linear_targets is None:
         return attention, []
