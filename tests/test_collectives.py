@@ -128,3 +128,31 @@ def test_wrappers_installed_and_restored_exactly_in_one_process():
     patch.remove()
     assert not any("__call__" in vars(getattr(ops, name)) for name in PRIMITIVES)
     assert all(getattr(comm_func, name) is before[name] for name in COMM_FUNCS)
+
+
+def test_cc_log_only_uncaught_ends_the_script_with_status_0(tmp_path):
+    """A script that does not catch the stop: exit status 0, no traceback, the reason in the log."""
+    config = tmp_path / "config.json"
+    config.write_text('{"cc_distribution": {"enable": true, "cc_log_only": true}}')
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import logging, numpy as np, mindspore as ms\n"
+        "from mindspore import nn, value_and_grad\n"
+        "from mindmon.msprobe import TrainerMon\n"
+        "logging.basicConfig()\n"
+        "model = nn.Dense(3, 2)\n"
+        "optimizer = nn.SGD(model.trainable_params(), learning_rate=0.1)\n"
+        f"TrainerMon({str(config)!r}, params_have_main_grad=False).set_monitor(model, 1, optimizer)\n"
+        "grad_fn = value_and_grad(lambda x: model(x).sum(), None, optimizer.parameters)\n"
+        "for step in range(5):\n"
+        "    print('step', step, flush=True)\n"
+        "    optimizer(grad_fn(ms.Tensor(np.ones((2, 3), np.float32)))[1])\n"
+        "print('not reached')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+               MONITOR_OUTPUT_DIR=str(tmp_path / "out"))
+    result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["step", "0", "step", "1"]
+    assert "training stopped before the second optimizer step" in result.stderr
+    assert "Traceback" not in result.stderr

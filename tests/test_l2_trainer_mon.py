@@ -199,3 +199,26 @@ def test_a_yaml_cell_error_names_the_full_key_path():
                                 "monitor.tensor_stats")
     with pytest.raises(ConfigError, match=r"^monitor\.tensor_stats\.l2_targets\.attention_hook: 'nope' is not"):
         select_l2_cells(Net(), config.l2)
+
+
+def _hooked_cells(model):
+    return {name for name, cell in model.cells_and_names() if getattr(cell, "_lazy_forward_hook", None)}
+
+
+def test_hooks_only_where_switched_on_and_all_gone_after_close(tmp_path, monkeypatch):
+    from mindspore import ops
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    for keys, hooked, wrapped in (
+            ({"param_distribution": True, "l2_targets": {"linear_hook": []}, "recording_l2_features": False,
+              "cc_distribution": {"enable": False}}, set(), False),
+            ({"l2_targets": {"attention_hook": ["core"], "linear_hook": ["wq"]}, "recording_l2_features": True,
+              "cc_distribution": {"enable": True}}, {"core", "wq"}, True)):
+        model = Net()
+        optimizer = nn.SGD(model.trainable_params(), learning_rate=0.5)
+        monitor = TrainerMon(write_config(tmp_path, **keys), params_have_main_grad=False)
+        monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
+        assert _hooked_cells(model) == hooked
+        assert ("__call__" in vars(ops.AllReduce)) == wrapped
+        monitor.close()
+        assert _hooked_cells(model) == set() and "__call__" not in vars(ops.AllReduce)
