@@ -116,6 +116,7 @@ def test_wrappers_installed_and_restored_exactly_in_one_process():
     from mindspore import ops
     from mindspore.communication import comm_func
 
+    from mindmon.config import ConfigError
     from mindmon.group import MonitorGroup
     from mindmon.msprobe.collectives import COMM_FUNCS, PRIMITIVES, CollectivePatch
     from mindmon.msprobe.l2_cc_config import CcConfig
@@ -125,8 +126,11 @@ def test_wrappers_installed_and_restored_exactly_in_one_process():
     assert all("__call__" in vars(getattr(ops, name)) for name in PRIMITIVES)
     assert all(getattr(comm_func, name) is not before[name] and getattr(comm_func, name).__wrapped__ is before[name]
                for name in COMM_FUNCS)
+    with pytest.raises(ConfigError, match="another TrainerMon already watches the collectives"):
+        CollectivePatch(MonitorGroup(), None, CcConfig(enable=True), lambda: True)
     patch.remove()
     assert not any("__call__" in vars(getattr(ops, name)) for name in PRIMITIVES)
+    CollectivePatch(MonitorGroup(), None, CcConfig(enable=True), lambda: True).remove()   # free again
     assert all(getattr(comm_func, name) is before[name] for name in COMM_FUNCS)
 
 

@@ -24,6 +24,7 @@ import sys
 import threading
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from ..config import ConfigError
 from ..monitors.tensor_stats import TensorStatsMonitor
 from .l2_cc_config import CcConfig, warn_once
 
@@ -100,10 +101,17 @@ def _named(prefix: str, role: str, tensors: Sequence) -> List[tuple]:
 
 
 class CollectivePatch:
-    """Wraps the collective calls while attached; `remove()` restores them exactly."""
+    """Wraps the collective calls while attached; `remove()` restores them exactly. One at a time: a
+    second patch over the first could not be undone in any order."""
+
+    active: Optional["CollectivePatch"] = None
 
     def __init__(self, group, monitor: Optional[CollectiveStatsMonitor], cc: CcConfig,
                  collecting: Callable[[], bool]):
+        if CollectivePatch.active is not None:
+            raise ConfigError("cc_distribution.enable: got True while another TrainerMon already watches the "
+                              "collectives; allowed: one at a time (close the other first)")
+        CollectivePatch.active = self
         self.group, self.monitor, self.cc, self.collecting = group, monitor, cc, collecting
         self.patterns = [re.compile(p) for p in cc.codeline]
         self.logged = set()
@@ -139,6 +147,8 @@ class CollectivePatch:
             else:
                 delattr(owner, attribute)
         self._saved.clear()
+        if CollectivePatch.active is self:
+            CollectivePatch.active = None
 
     def call(self, api: str, run, args, kwargs, primitive):
         """The user's collective call, observed. Only the outermost collective of a call is taken;

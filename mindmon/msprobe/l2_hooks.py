@@ -136,25 +136,25 @@ def attach_l2_and_collectives(config, model, optimizer, group, collecting: Calla
                               on_host: bool) -> List:
     """What `l2_targets`/`recording_l2_features` and `cc_distribution` of a TensorStatsConfig switch on:
     their monitors added to `group`, their hooks attached. Returns handles whose `remove()` detaches.
-    Cells are checked (ConfigError) before anything is attached."""
+    Everything that can be refused (cell names, a second collective watcher) is checked before any hook."""
     from .collectives import CollectivePatch, CollectiveStatsMonitor, StopAfterLogging
     from .trainer_mon import _hook_optimizer_calls
 
     handles: List = []
     l2, cc = config.l2, config.cc
-    if l2 is not None and l2.active:
-        attention, linear = select_l2_cells(model, l2)
+    cells = select_l2_cells(model, l2) if l2 is not None and l2.active else None
+    if cc is not None and cc.active:
+        monitor = None if cc.log_only else CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
+        patch = CollectivePatch(group, monitor, cc, collecting)
+        handles.append(patch)
+        if monitor is not None:
+            group.monitors.append(monitor)
+        if cc.log_only:
+            handles += _hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)
+    if cells is not None:
+        attention, linear = cells
         if not any(isinstance(m, L2FeaturesMonitor) for m in group.monitors):
             group.monitors.append(L2FeaturesMonitor(l2.sa_order, l2.causal, on_host, rank))
         handles += attach_hooks(group, attention, linear, collecting)
         logger.info("mindmon: L2 features of %d attention and %d linear cells", len(attention), len(linear))
-    if cc is not None and cc.active:
-        monitor = None
-        if not cc.log_only:
-            monitor = CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
-            group.monitors.append(monitor)
-        patch = CollectivePatch(group, monitor, cc, collecting)
-        handles.append(patch)
-        if cc.log_only:
-            handles += _hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)
     return handles
