@@ -222,3 +222,21 @@ def test_hooks_only_where_switched_on_and_all_gone_after_close(tmp_path, monkeyp
         assert ("__call__" in vars(ops.AllReduce)) == wrapped
         monitor.close()
         assert _hooked_cells(model) == set() and "__call__" not in vars(ops.AllReduce)
+
+
+def test_a_refused_optimizer_leaves_nothing_attached(tmp_path):
+    from mindspore import ops
+
+    model = Net()
+    config = write_config(tmp_path, l2_targets={"linear_hook": []}, recording_l2_features=True,
+                          cc_distribution={"enable": True})
+    with pytest.raises(ConfigError, match="^optimizer: got _ObjectWithParameters"):
+        TrainerMon(config, params_have_main_grad=False).set_monitor(model, K, optimizer=_ObjectWithParameters(model))
+    assert _hooked_cells(model) == set() and "__call__" not in vars(ops.AllReduce)
+
+
+class _ObjectWithParameters:
+    """Has the parameters an optimizer has, but neither a Cell's hooks nor step()."""
+
+    def __init__(self, model):
+        self.parameters = tuple(model.trainable_params())

@@ -111,12 +111,19 @@ class CollectivePatch:
         if CollectivePatch.active is not None:
             raise ConfigError("cc_distribution.enable: got True while another TrainerMon already watches the "
                               "collectives; allowed: one at a time (close the other first)")
-        CollectivePatch.active = self
         self.group, self.monitor, self.cc, self.collecting = group, monitor, cc, collecting
         self.patterns = [re.compile(p) for p in cc.codeline]
         self.logged = set()
         self._local = threading.local()
         self._saved: List[tuple] = []   # (owner, attribute, had its own, original)
+        CollectivePatch.active = self
+        try:
+            self._wrap_all()
+        except BaseException:
+            self.remove()
+            raise
+
+    def _wrap_all(self) -> None:
         from mindspore import ops
         from mindspore.communication import comm_func
 

@@ -137,12 +137,30 @@ def attach_l2_and_collectives(config, model, optimizer, group, collecting: Calla
     """What `l2_targets`/`recording_l2_features` and `cc_distribution` of a TensorStatsConfig switch on:
     their monitors added to `group`, their hooks attached. Returns handles whose `remove()` detaches.
     Everything that can be refused (cell names, a second collective watcher) is checked before any hook."""
+    l2, cc = config.l2, config.cc
+    cells = select_l2_cells(model, l2) if l2 is not None and l2.active else None
+    handles: List = []
+    try:
+        _attach_collectives(config, cc, optimizer, group, collecting, rank, on_host, handles)
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    if cells is not None:
+        attention, linear = cells
+        if not any(isinstance(m, L2FeaturesMonitor) for m in group.monitors):
+            group.monitors.append(L2FeaturesMonitor(l2.sa_order, l2.causal, on_host, rank))
+        handles += attach_hooks(group, attention, linear, collecting)
+        logger.info("mindmon: L2 features of %d attention and %d linear cells", len(attention), len(linear))
+    return handles
+
+
+def _attach_collectives(config, cc, optimizer, group, collecting, rank: int, on_host: bool, handles: List) -> None:
+    """cc_distribution: the collective wrappers (and, with cc_log_only, the stop), appended to `handles` as
+    they are made so that a refusal half-way leaves nothing behind."""
     from .collectives import CollectivePatch, CollectiveStatsMonitor, StopAfterLogging
     from .trainer_mon import _hook_optimizer_calls
 
-    handles: List = []
-    l2, cc = config.l2, config.cc
-    cells = select_l2_cells(model, l2) if l2 is not None and l2.active else None
     if cc is not None and cc.active:
         monitor = None if cc.log_only else CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
         patch = CollectivePatch(group, monitor, cc, collecting)
@@ -151,10 +169,3 @@ def attach_l2_and_collectives(config, model, optimizer, group, collecting: Calla
             group.monitors.append(monitor)
         if cc.log_only:
             handles += _hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)
-    if cells is not None:
-        attention, linear = cells
-        if not any(isinstance(m, L2FeaturesMonitor) for m in group.monitors):
-            group.monitors.append(L2FeaturesMonitor(l2.sa_order, l2.causal, on_host, rank))
-        handles += attach_hooks(group, attention, linear, collecting)
-        logger.info("mindmon: L2 features of %d attention and %d linear cells", len(attention), len(linear))
-    return handles

@@ -121,7 +121,11 @@ class TrainerMon:
         self._build_group(start_iteration)
         self._handles += attach_l2_and_collectives(self.config, model, optimizer, self.group,
                                                    lambda: self._collecting, self.rank, self.on_host)
-        self._attach(optimizer)
+        try:
+            self._attach(optimizer)
+        except ConfigError:
+            self.close()   # a refused optimizer leaves no L2 hook and no wrapped collective behind
+            raise
         logger.info("mindmon: TrainerMon collects %s for %d parameters%s", self._points(), len(self.selected),
                     f" into {self.sink.folder}" if self.sink is not None else "")
 
