@@ -162,10 +162,14 @@ def _attach_collectives(config, cc, optimizer, group, collecting, rank: int, on_
     from .trainer_mon import _hook_optimizer_calls
 
     if cc is not None and cc.active:
-        monitor = None if cc.log_only else CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
-        patch = CollectivePatch(group, monitor, cc, collecting)
-        handles.append(patch)
-        if monitor is not None:
+        # Attached again (a reloaded configuration): the group's monitor is kept, with the new ops.
+        monitor = next((m for m in group.monitors if isinstance(m, CollectiveStatsMonitor)), None)
+        if monitor is None and not cc.log_only:
+            monitor = CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
             group.monitors.append(monitor)
+        elif monitor is not None:
+            monitor.ops = config.ops
+        patch = CollectivePatch(group, None if cc.log_only else monitor, cc, collecting)
+        handles.append(patch)
         if cc.log_only:
             handles += _hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)
