@@ -98,8 +98,9 @@ def test_documented_full_config_parses_and_names_later_capabilities(caplog):
     assert config.param_distribution and config.wg_distribution and config.mv_distribution
     assert config.module_ranks == (0, 1, 2, 3) and config.ndigits == 12
     messages = [r.getMessage() for r in caplog.records]
-    for capability in ("communication-operator monitoring", "update/ratio heat maps"):
+    for capability in ("update/ratio heat maps",):
         assert sum(capability in m for m in messages) == 1, (capability, messages)
+    assert config.cc.enable and not any("cc_distribution" in m for m in messages)  # implemented: no warning
     assert config.alert is not None and config.alert.active   # alerts are built: the block is parsed
     # Activations are implemented: parsed, not named as missing.
     assert config.xy_distribution and config.all_xy and config.collects_activations

@@ -38,7 +38,8 @@ KIND_STATISTICS = {
     "tokens_per_expert": "tokens", "tokens_per_expert_step": "tokens",
     "learning_rate": "lr", "samples": "count",
 }
-MSPROBE_STATISTICS = ("norm", "min", "max", "mean", "nans", "zeros", "shape", "dtype")
+MSPROBE_STATISTICS = ("norm", "min", "max", "mean", "nans", "zeros", "shape", "dtype",
+                      "entropy", "softmax_max", "sr", "kernel_norm")   # the last four: L2 features
 
 SeriesKey = Tuple[str, str, str]
 

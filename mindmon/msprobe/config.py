@@ -17,18 +17,17 @@ from typing import Any, Dict, Optional, Tuple
 from ..config import ConfigError, ConfigTypeError, _bool, _describe, _is_int, _type_error, _value_error
 from ..formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT
 from ..monitors.tensor_stats import OPS
+from .l2_cc_config import CC_KEY, L2_KEYS, parse_cc, parse_l2
 
 logger = logging.getLogger("mindmon")
 
 # Keys msprobe documents for capabilities mindmon's tensor statistics do not implement; they are accepted
 # (a config.json written for msprobe keeps working) and, when they ask for something, say what is missing.
 LATER_CAPABILITIES = {
-    "l2_targets": "L2 interpretable features", "recording_l2_features": "L2 interpretable features",
-    "sa_order": "L2 interpretable features", "cc_distribution": "communication-operator monitoring",
     "ur_distribution": "update/ratio heat maps", "mg_direction": "gradient/momentum direction",
     "mg_distribution": "gradient/momentum direction",
 }
-_LATER_TYPES = {"l2_targets": dict, "cc_distribution": dict, "sa_order": str}
+_LATER_TYPES: Dict[str, type] = {}
 
 _DEFAULTS = {
     "targets": {}, "param_distribution": False, "wg_distribution": False, "mv_distribution": False,
@@ -39,7 +38,7 @@ _DEFAULTS = {
     "xy_distribution": False, "all_xy": False, "forward_only": False, "backward_only": False,
     "print_struct": False, "stack_info": False, "dynamic_on": False,
 }
-KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES)
+KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES) + L2_KEYS + (CC_KEY,)
 MAX_STEP_COUNT_PER_RECORD = 1000000
 ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
 XY_FLAGS = ("xy_distribution", "all_xy", "forward_only", "backward_only", "print_struct", "stack_info", "dynamic_on")
@@ -76,11 +75,17 @@ class TensorStatsConfig:
     stack_info: bool = False                # stack_info.csv: where each cell was called, first step
     dynamic_on: bool = False                # with DYNAMIC_MONITOR=True: switch monitoring on
     later: Dict[str, Any] = field(default_factory=dict)  # keys of later capabilities, as given
+    l2: Any = None                          # mindmon.msprobe.l2_cc_config.L2Config (L2 features)
+    cc: Any = None                          # mindmon.msprobe.l2_cc_config.CcConfig (cc_distribution)
 
     @property
     def active(self) -> bool:
         return (self.param_distribution or self.wg_distribution or self.mv_distribution or self.collects_activations
-                or self.print_struct or self.stack_info)
+                or self.print_struct or self.stack_info or self.l2_or_cc_active)
+
+    @property
+    def l2_or_cc_active(self) -> bool:
+        return (self.l2 is not None and self.l2.active) or (self.cc is not None and self.cc.active)
 
     @property
     def collects_activations(self) -> bool:
@@ -151,7 +156,8 @@ def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
                                       1, MAX_STEP_COUNT_PER_RECORD),
         append_output=_append_output(_key(path, "append_output"), raw["append_output"]),
         alert=_alert(path, section.get("alert")), later=later,
-        xy_specs=parse_xy_specs(_key(path, "targets"), raw["targets"]), **flags)
+        xy_specs=parse_xy_specs(_key(path, "targets"), raw["targets"]),
+        l2=parse_l2(path, section), cc=parse_cc(path, section.get(CC_KEY)), **flags)
 
 
 def _alert(path: str, section: Any):

@@ -37,6 +37,7 @@ from ..formats.msprobe_csv import output_root as csv_output_root
 from .activations import ActivationHooks, MicroSteps, check_spec_targets, root_forward_counter
 from .config import TensorStatsConfig, _ops, load_config_json
 from .dynamic import ConfigWatcher, dynamic_mode
+from .l2_hooks import attach_l2_and_collectives, select_l2_cells
 from .structure import StackHooks, StopTraining, StructHooks
 from .targets import find_moments, optimizer_parameters, select_parameters
 
@@ -146,6 +147,8 @@ class TrainerMon:
             plan["keep_grads"] = _keeps_reduced_gradients(*self._groups, self.parameters, plan["selected"])
         if config.collects_activations:
             check_spec_targets(self.model, config)
+        if config.l2 is not None and config.l2.active:
+            select_l2_cells(self.model, config.l2)   # a cell name that does not exist fails before training
         return plan
 
     def _apply(self, config: TensorStatsConfig, plan: dict) -> None:
@@ -306,6 +309,9 @@ class TrainerMon:
         if config.stack_info:
             self._stacks = StackHooks()
             self._stacks.attach(self.model, lambda: self._collecting)
+        if config.l2_or_cc_active:
+            self._capability_handles += attach_l2_and_collectives(config, self.model, self._optimizer, self.group,
+                                                                  lambda: self._collecting, self.rank, self.on_host)
 
     def _detach_capabilities(self) -> None:
         for handle in getattr(self, "_capability_handles", ()):

@@ -1,0 +1,175 @@
+"""Forward hooks that feed the L2 features monitor: an attention cell's Q and K (its first two inputs), a
+linear cell's 2-D `weight` (or `wg`). Attached to the named cells of a model only, removed by `remove()`.
+
+Example (every attention and linear cell of a model, recording into a group):
+    monitor, handles = attach_l2_features(model, group)
+    ... train; group.flush(step) at each step end ...
+    for handle in handles: handle.remove()
+"""
+import inspect
+import logging
+import re
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..config import ConfigError
+from ..monitors.l2_features import ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor
+from .l2_cc_config import L2Config, warn_once
+
+logger = logging.getLogger("mindmon")
+WEIGHT_ATTRIBUTES = ("weight", "wg")
+_STAGE_PREFIX = re.compile(r"^\d+:")   # msprobe's virtual-pipeline stage prefix, "0:" in "0:layers.0.attn"
+
+
+def linear_weight(cell):
+    """The cell's 2-D `weight` or `wg` Parameter, None when it has neither."""
+    for attribute in WEIGHT_ATTRIBUTES:
+        weight = getattr(cell, attribute, None)
+        if weight is not None and hasattr(weight, "name") and len(getattr(weight, "shape", ())) == 2:
+            return weight
+    return None
+
+
+def takes_query_and_key(cell) -> bool:
+    """The cell's construct takes (q/query, k/key, ...) first: an attention core whose Q and K can be read."""
+    try:
+        names = list(inspect.signature(cell.construct).parameters)[:2]
+    except (TypeError, ValueError):
+        return False
+    return len(names) == 2 and names[0].lower() in ("q", "query") and names[1].lower() in ("k", "key")
+
+
+def find_cells(model, names: Sequence[str], key_path: str) -> List[Tuple[str, object]]:
+    """(name, cell) for each configured name (a `0:` stage prefix is dropped); an unknown one is a ConfigError."""
+    cells = dict(model.cells_and_names())
+    found = []
+    for name in names:
+        bare = _STAGE_PREFIX.sub("", name)
+        if bare not in cells:
+            examples = [n for n in cells if n][:4]
+            raise ConfigError(f"{key_path}: {name!r} is not a cell of the model; allowed: names from "
+                              f"cells_and_names(), such as {examples}")
+        found.append((bare, cells[bare]))
+    return found
+
+
+def select_l2_cells(model, l2: L2Config):
+    """(attention cells, linear cells) the config names; `linear_hook: []` = every cell with a 2-D weight/wg."""
+    key_path = f"{l2.path}.l2_targets" if l2.path else "l2_targets"
+    attention = find_cells(model, l2.attention_targets, f"{key_path}.attention_hook")
+    if l2.linear_targets is None:
+        return attention, []
+    if not l2.linear_targets:
+        return attention, [(n, c) for n, c in model.cells_and_names() if linear_weight(c) is not None]
+    linear = find_cells(model, l2.linear_targets, f"{key_path}.linear_hook")
+    for name, cell in linear:
+        if linear_weight(cell) is None:
+            raise ConfigError(f"{key_path}.linear_hook: {name!r} ({type(cell).__name__}) has no 2-D `weight` or "
+                              f"`wg` parameter; allowed: linear cells")
+    return attention, linear
+
+
+def attach_hooks(group, attention: Sequence, linear: Sequence, collecting: Callable[[], bool]) -> List:
+    """Forward hooks recording into `group` while `collecting()` and the cell is in training mode."""
+    handles = []
+    for name, cell in attention:
+        handles.append(cell.register_forward_hook(_attention_hook(group, f"{name}.attention", collecting)))
+    for name, cell in linear:
+        handles.append(cell.register_forward_hook(_linear_hook(group, f"{name}.linear", collecting)))
+    return handles
+
+
+def _attention_hook(group, row: str, collecting):
+    def hook(cell, inputs, output):
+        if not (cell.training and collecting()):
+            return
+        try:
+            q, k = _query_and_key(cell, inputs)
+            group.record(ATTENTION_HOOK, (row, q, k))
+        except Exception as error:  # noqa: BLE001 - a monitor must not end the training
+            warn_once(row, "mindmon: attention features of %s skipped: %s: %s", row, type(error).__name__, error)
+    return hook
+
+
+def _linear_hook(group, row: str, collecting):
+    def hook(cell, inputs, output):
+        if cell.training and collecting():
+            group.record(LINEAR_HOOK, (row, linear_weight(cell)))
+    return hook
+
+
+def _query_and_key(cell, inputs):
+    """Q and K as 4-D tensors in the configured layout. A 2-D (tokens, heads x head_dim) pair, as attention
+    cores that flatten the batch take, is viewed as (tokens, 1, heads, head_dim) with the cell's `num_heads`
+    (or `n_head`/`head_num`); that layout is "s,b,h,d"."""
+    if len(inputs) < 2:
+        raise ValueError(f"{len(inputs)} input(s); expected Q and K as the first two")
+    q, k = inputs[0], inputs[1]
+    if len(q.shape) == 2:
+        heads = next((getattr(cell, a) for a in ("num_heads", "n_head", "head_num") if hasattr(cell, a)), None)
+        if heads is None:
+            raise ValueError("2-D Q and K and no num_heads attribute on the cell to split the heads")
+        dim = q.shape[-1] // heads
+        q, k = q.reshape(q.shape[0], 1, heads, dim), k.reshape(k.shape[0], 1, -1, dim)
+    return q, k
+
+
+def attach_l2_features(model, group=None, sa_order: str = "s,b,h,d", causal: bool = True,
+                       collecting: Optional[Callable[[], bool]] = None, on_host: Optional[bool] = None,
+                       rank: int = 0):
+    """L2 features on every attention cell (construct(q, k, ...)) and every linear cell (2-D weight/wg) of
+    `model`. Records into `group` (an L2FeaturesMonitor is added to it when it has none) or, without a
+    group, into a new monitor driven directly. Returns (monitor, handles)."""
+    from ..group import MonitorGroup
+
+    monitor = next((m for m in getattr(group, "monitors", ()) if isinstance(m, L2FeaturesMonitor)), None)
+    if monitor is None:
+        monitor = L2FeaturesMonitor(sa_order, causal, on_host, rank)
+        if group is not None:
+            group.monitors.append(monitor)
+    target = group if group is not None else MonitorGroup([monitor], [], rank, logger)
+    attention = [(n, c) for n, c in model.cells_and_names() if takes_query_and_key(c)]
+    linear = [(n, c) for n, c in model.cells_and_names() if linear_weight(c) is not None]
+    return monitor, attach_hooks(target, attention, linear, collecting or (lambda: True))
+
+
+def attach_l2_and_collectives(config, model, optimizer, group, collecting: Callable[[], bool], rank: int,
+                              on_host: bool) -> List:
+    """What `l2_targets`/`recording_l2_features` and `cc_distribution` of a TensorStatsConfig switch on:
+    their monitors added to `group`, their hooks attached. Returns handles whose `remove()` detaches.
+    Everything that can be refused (cell names, a second collective watcher) is checked before any hook."""
+    l2, cc = config.l2, config.cc
+    cells = select_l2_cells(model, l2) if l2 is not None and l2.active else None
+    handles: List = []
+    try:
+        _attach_collectives(config, cc, optimizer, group, collecting, rank, on_host, handles)
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    if cells is not None:
+        attention, linear = cells
+        if not any(isinstance(m, L2FeaturesMonitor) for m in group.monitors):
+            group.monitors.append(L2FeaturesMonitor(l2.sa_order, l2.causal, on_host, rank))
+        handles += attach_hooks(group, attention, linear, collecting)
+        logger.info("mindmon: L2 features of %d attention and %d linear cells", len(attention), len(linear))
+    return handles
+
+
+def _attach_collectives(config, cc, optimizer, group, collecting, rank: int, on_host: bool, handles: List) -> None:
+    """cc_distribution: the collective wrappers (and, with cc_log_only, the stop), appended to `handles` as
+    they are made so that a refusal half-way leaves nothing behind."""
+    from .collectives import CollectivePatch, CollectiveStatsMonitor, StopAfterLogging
+    from .trainer_mon import _hook_optimizer_calls
+
+    if cc is not None and cc.active:
+        # Attached again (a reloaded configuration): the group's monitor is kept, with the new ops.
+        monitor = next((m for m in group.monitors if isinstance(m, CollectiveStatsMonitor)), None)
+        if monitor is None and not cc.log_only:
+            monitor = CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
+            group.monitors.append(monitor)
+        elif monitor is not None:
+            monitor.ops = config.ops
+        patch = CollectivePatch(group, None if cc.log_only else monitor, cc, collecting)
+        handles.append(patch)
+        if cc.log_only:
+            handles += _hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)

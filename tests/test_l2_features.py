@@ -1,0 +1,132 @@
+"""L2 features against independent float64 numpy: attention entropy and softmax max from the same Q and K
+(both sa_order layouts, causal or not, chunked or not, numpy and MindSpore paths), stable rank and kernel
+norm against numpy.linalg.svd / norm, the power iteration on a matrix with a known spectrum."""
+import numpy as np
+import pytest
+
+import mindspore as ms
+
+from mindmon.monitors.l2_features import (ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor, attention_features_device,
+                                          attention_features_numpy, linear_features_device, linear_features_numpy,
+                                          spectral_norm)
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def reference_attention(q_bshd, k_bshd, causal):
+    """Full float64 softmax over the whole S x S matrix, batch-major layout [b, s, h, d]."""
+    q = q_bshd.astype(np.float64).transpose(0, 2, 1, 3)
+    k = k_bshd.astype(np.float64).transpose(0, 2, 1, 3)
+    k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = scores.shape[-2:]
+        allowed = np.tril(np.ones((sq, sk), dtype=bool), k=sk - sq)
+        scores = np.where(allowed, scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(p > 0, p * np.log(p), 0.0)
+    return float(np.mean(-plogp.sum(axis=-1))), float(np.mean(p.max(axis=-1)))
+
+
+def qk(seed=0, batch=2, seq=9, heads=4, kv_heads=4, dim=8, scale=1.5):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((batch, seq, heads, dim)) * scale).astype(np.float32)
+    k = (rng.standard_normal((batch, seq, kv_heads, dim)) * scale).astype(np.float32)
+    return q, k
+
+
+def in_layout(array_bshd, order):
+    return array_bshd if order == "b,s,h,d" else np.ascontiguousarray(array_bshd.transpose(1, 0, 2, 3))
+
+
+@pytest.mark.parametrize("order", ["s,b,h,d", "b,s,h,d"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk", [1 << 22, 20])   # 20 scores per chunk: one query row at a time
+def test_attention_features_numpy_path(order, causal, chunk):
+    q, k = qk()
+    want = reference_attention(q, k, causal)
+    got = attention_features_numpy(in_layout(q, order), in_layout(k, order), order, causal, chunk)
+    assert got == pytest.approx(want, rel=2e-6), (got, want)
+
+
+@pytest.mark.parametrize("order", ["s,b,h,d", "b,s,h,d"])
+def test_attention_features_mindspore_path_with_grouped_heads(order):
+    q, k = qk(seed=1, heads=4, kv_heads=2)
+    want = reference_attention(q, k, True)
+    got = attention_features_device(ms.Tensor(in_layout(q, order)), ms.Tensor(in_layout(k, order)), order,
+                                    True, chunk_elements=2 * 4 * 9 * 3).asnumpy()
+    assert got.tolist() == pytest.approx(want, rel=5e-6), (got, want)
+
+
+def test_causal_mask_changes_the_values_and_a_collapsed_attention_is_detected():
+    q, k = qk(seed=2)
+    assert reference_attention(q, k, True)[0] < reference_attention(q, k, False)[0]
+    # Every query along one direction, one key far along it, the other keys zero: attention collapses
+    # onto that key (entropy near 0, softmax max near 1); keys all equal give the uniform log(S).
+    same = np.broadcast_to(np.abs(q[:, :1]), q.shape).copy()
+    sharp = np.zeros_like(same)
+    sharp[:, 0] = same[:, 0] * 30
+    entropy, top = attention_features_numpy(same, sharp, "b,s,h,d", False)
+    assert entropy < 1e-3 and top > 0.999, (entropy, top)
+    entropy, top = attention_features_numpy(same, same, "b,s,h,d", False)
+    assert entropy == pytest.approx(np.log(q.shape[1]), rel=1e-6) and top == pytest.approx(1 / q.shape[1])
+
+
+def matrix_with_spectrum(singular_values, rows, seed=0):
+    rng = np.random.default_rng(seed)
+    u, _ = np.linalg.qr(rng.standard_normal((rows, len(singular_values))))
+    v, _ = np.linalg.qr(rng.standard_normal((len(singular_values), len(singular_values))))
+    return (u * np.asarray(singular_values)) @ v.T
+
+
+def test_power_iteration_converges_to_the_known_top_singular_value_and_warm_start_is_faster():
+    spectrum = [5.0, 4.0, 2.0, 1.0, 0.5, 0.25]
+    w = matrix_with_spectrum(spectrum, 10).astype(np.float32)
+    sigma, vector, cold = spectral_norm(w, tolerance=1e-7, max_iterations=500)
+    assert sigma == pytest.approx(5.0, rel=1e-5)
+    # Convergence rate (sigma_2 / sigma_1)^2 = 0.64 per iteration on W^T W: dozens of iterations cold.
+    assert cold >= 10, cold
+    nudged = (w + 1e-3 * np.random.default_rng(3).standard_normal(w.shape)).astype(np.float32)
+    want = np.linalg.svd(nudged.astype(np.float64), compute_uv=False)[0]
+    sigma2, _, warm = spectral_norm(nudged, start=vector, tolerance=1e-7, max_iterations=500)
+    _, _, cold2 = spectral_norm(nudged, tolerance=1e-7, max_iterations=500)
+    assert sigma2 == pytest.approx(want, rel=1e-5)
+    assert warm < cold2 / 2, (warm, cold2)
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (8, 30)])
+def test_stable_rank_and_kernel_norm_against_svd(shape):
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal(shape) @ np.diag(np.linspace(3, 0.2, shape[1]))).astype(np.float32)
+    singular = np.linalg.svd(w.astype(np.float64), compute_uv=False)
+    frobenius = np.linalg.norm(w.astype(np.float64), "fro")
+    assert frobenius == pytest.approx(np.sqrt((singular ** 2).sum()), rel=1e-12)
+    sr, kernel_norm, vector = linear_features_numpy(w)
+    assert kernel_norm == pytest.approx(frobenius, rel=1e-6)
+    assert sr == pytest.approx(frobenius / singular[0], rel=1e-4)
+    values, vector = linear_features_device(ms.Tensor(w))
+    # A fixed number of iterations on a device: the warm steps that follow carry the iteration on.
+    for _ in range(10):
+        values, vector = linear_features_device(ms.Tensor(w), vector)
+    assert values.asnumpy().tolist() == pytest.approx([frobenius / singular[0], frobenius], rel=1e-4)
+
+
+def test_monitor_records_go_out_as_tensor_stats_records():
+    q, k = qk(seed=5)
+    w = np.random.default_rng(6).standard_normal((12, 6)).astype(np.float32)
+    for on_host in (True, False):
+        monitor = L2FeaturesMonitor("b,s,h,d", causal=True, on_host=on_host)
+        monitor.record(ATTENTION_HOOK, ("attn.attention", ms.Tensor(q), ms.Tensor(k)), {"micro_step": 1})
+        monitor.record(LINEAR_HOOK, ("fc.linear", ms.Parameter(ms.Tensor(w), name="fc.weight")))
+        attention, linear = monitor.collect(3)
+        assert (attention.kind, attention.name, attention.step, attention.micro_step) == \
+            (ATTENTION_HOOK, "attn.attention", 3, 1)
+        assert attention.ops == ("entropy", "softmax_max") and attention.shape == q.shape
+        assert attention.value == pytest.approx(reference_attention(q, k, True), rel=5e-6)
+        singular = np.linalg.svd(w.astype(np.float64), compute_uv=False)
+        assert (linear.kind, linear.ops) == (LINEAR_HOOK, ("sr", "kernel_norm"))
+        assert linear.value == pytest.approx([np.sqrt((singular ** 2).sum()) / singular[0],
+                                              np.sqrt((singular ** 2).sum())], rel=1e-4)
+        assert monitor.collect(4) == [] and "fc.linear" in monitor.vectors
