@@ -37,6 +37,11 @@ class MonitorGroup:
         self._opened = False
         self._closed = False
 
+    def add_monitor(self, monitor: Monitor) -> None:
+        """A monitor attached while training (msprobe's capabilities switched on by config or dynamically).
+        It takes no part in the cross-rank sums, whose payload is fixed when the group is built."""
+        self.monitors.append(monitor)
+
     @property
     def active(self) -> bool:
         return bool(self.monitors)

@@ -125,7 +125,7 @@ def attach_l2_features(model, group=None, sa_order: str = "s,b,h,d", causal: boo
     if monitor is None:
         monitor = L2FeaturesMonitor(sa_order, causal, on_host, rank)
         if group is not None:
-            group.monitors.append(monitor)
+            group.add_monitor(monitor)
     target = group if group is not None else MonitorGroup([monitor], [], rank, logger)
     attention = [(n, c) for n, c in model.cells_and_names() if takes_query_and_key(c)]
     linear = [(n, c) for n, c in model.cells_and_names() if linear_weight(c) is not None]
@@ -149,7 +149,7 @@ def attach_l2_and_collectives(config, model, optimizer, group, collecting: Calla
     if cells is not None:
         attention, linear = cells
         if not any(isinstance(m, L2FeaturesMonitor) for m in group.monitors):
-            group.monitors.append(L2FeaturesMonitor(l2.sa_order, l2.causal, on_host, rank))
+            group.add_monitor(L2FeaturesMonitor(l2.sa_order, l2.causal, on_host, rank))
         handles += attach_hooks(group, attention, linear, collecting)
         logger.info("mindmon: L2 features of %d attention and %d linear cells", len(attention), len(linear))
     return handles
@@ -166,7 +166,7 @@ def _attach_collectives(config, cc, optimizer, group, collecting, rank: int, on_
         monitor = next((m for m in group.monitors if isinstance(m, CollectiveStatsMonitor)), None)
         if monitor is None and not cc.log_only:
             monitor = CollectiveStatsMonitor(config.ops, config.eps, on_host, rank)
-            group.monitors.append(monitor)
+            group.add_monitor(monitor)
         elif monitor is not None:
             monitor.ops = config.ops
         patch = CollectivePatch(group, None if cc.log_only else monitor, cc, collecting)
