@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..engine import Monitor
+from ..monitors.l2_features import spectral_norm
 from ..records import Record
 from ..stats import SquaredNorms
 
@@ -30,26 +31,13 @@ GLOBAL_NORM_SPIKES = "global_norm_spike_count"   # consecutive steps at or above
 STEP_LEVEL_NAME = "global"                        # the record name of one-number-per-step kinds
 
 
-def power_iteration(gram: np.ndarray, start: np.ndarray, iterations: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(λ, u) for a batch of symmetric PSD matrices `gram` (b, n, n) from unit start vectors (b, n):
-    each round takes λ = uᵀAu (the Rayleigh quotient, a lower bound of λ_max that rises to it) and
-    moves u to Au/‖Au‖. A zero Au keeps u (the matrix is zero: λ = 0)."""
-    vector, eigenvalue = start, np.zeros(start.shape[0])
-    for _ in range(iterations):
-        product = np.einsum("bij,bj->bi", gram, vector)
-        eigenvalue = np.einsum("bi,bi->b", product, vector)
-        norms = np.linalg.norm(product, axis=1, keepdims=True)
-        vector = np.where(norms > 0, product / np.where(norms > 0, norms, 1.0), vector)
-    return eigenvalue, vector
-
-
 class StableRankMonitor(Monitor):
     """Stable rank and largest eigenvalue of WᵀW for the 2-D and 3-D (one matrix per expert) weights
     `target` selects. Each weight's power iteration starts from the vector the previous collection
     ended with (the weights move little between steps, so a few iterations stay converged); the
     first collection starts from a seeded random vector."""
 
-    def __init__(self, model, section, rank: int = 0, logger: Optional[logging.Logger] = None, seed: int = 0):
+    def __init__(self, model, section, rank: int = 0, logger: Optional[logging.Logger] = None):
         self.section = section
         self.rank = rank
         self.parameters = []
@@ -62,8 +50,7 @@ class StableRankMonitor(Monitor):
             (logger or logging.getLogger("mindmon")).warning(
                 "mindmon: monitor_config.stable_rank_config: %d selected parameter(s) are not 2-D or 3-D and get no "
                 "stable rank (e.g. %s)", len(skipped), skipped[0].name)
-        self._vectors: Dict[str, np.ndarray] = {}
-        self._rng = np.random.default_rng(seed)
+        self._vectors: Dict[str, list] = {}
 
     def collect(self, step: int) -> List[Record]:
         if step % self.section.step_interval:
@@ -75,14 +62,19 @@ class StableRankMonitor(Monitor):
         return records
 
     def _of(self, name: str, weight: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        matrices = weight.astype(np.float64).reshape((-1,) + weight.shape[-2:])
-        gram = np.einsum("bki,bkj->bij", matrices, matrices)
-        start = self._vectors.get(name)
-        if start is None:
-            start = self._rng.standard_normal(gram.shape[:2])
-            start /= np.linalg.norm(start, axis=1, keepdims=True)
-        eigen, self._vectors[name] = power_iteration(gram, start, self.section.power_iteration_num)
-        frobenius = np.einsum("bij,bij->b", matrices, matrices)
+        """(stable rank, largest eigenvalue of WᵀW) per matrix: `power_iteration_num` rounds of the
+        L2 features' power iteration (mindmon/monitors/l2_features.py), warm-started per matrix."""
+        matrices = weight.astype(np.float32).reshape((-1,) + weight.shape[-2:])
+        starts = self._vectors.get(name) or [None] * len(matrices)
+        eigen, vectors = [], []
+        for matrix, start in zip(matrices, starts):
+            sigma, vector, _ = spectral_norm(matrix, start, tolerance=0.0,
+                                             max_iterations=self.section.power_iteration_num)
+            eigen.append(sigma * sigma)
+            vectors.append(vector)
+        self._vectors[name] = vectors
+        eigen = np.array(eigen, dtype=np.float64)
+        frobenius = np.einsum("bij,bij->b", matrices.astype(np.float64), matrices.astype(np.float64))
         stable = np.where(eigen > 0, frobenius / np.where(eigen > 0, eigen, 1.0), 0.0)
         return stable, eigen
 
