@@ -195,3 +195,15 @@ def test_clipping_on_both_sides_of_max_norm(tmp_path, side):
     if side == "above":  # the first update is exactly max_norm long
         moved = [steps[1]["weights"][n] - _initial_weights()[n] for n in NAMES]
         assert np.sqrt(sum(np.sum(m ** 2) for m in moved)) == pytest.approx(LR * max_norm, rel=1e-9)
+
+
+@pytest.mark.parametrize("switch", ["local_norm", "device_norm"])
+def test_a_filter_that_matches_nothing_is_refused_before_step_1(tmp_path, switch):
+    from mindmon.config import ConfigError
+
+    config = parse_sections({"monitor": {"output_dir": str(tmp_path),
+                                         "train_state": {switch: ["out", "atention"]}}})
+    with pytest.raises(ConfigError) as error:
+        build_group(config, parameter_names=list(NAMES) + ["final_norm.weight"])  # only 4 are named
+    assert str(error.value) == (f"monitor.train_state.{switch}: 'atention' matches no trainable parameter; allowed: "
+                                f"substrings of parameter names such as hidden.weight, hidden.bias, out.weight, out.bias")
