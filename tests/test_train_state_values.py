@@ -207,3 +207,29 @@ def test_a_filter_that_matches_nothing_is_refused_before_step_1(tmp_path, switch
         build_group(config, parameter_names=list(NAMES) + ["final_norm.weight"])  # only 4 are named
     assert str(error.value) == (f"monitor.train_state.{switch}: 'atention' matches no trainable parameter; allowed: "
                                 f"substrings of parameter names such as hidden.weight, hidden.bias, out.weight, out.bias")
+
+
+def test_monitor_alone_writes_only_what_was_recorded_and_forgets_it_at_collect():
+    """The monitor outside the loop: a step with no device loss or device gradient recorded writes
+    neither; after collect nothing of the step is left for the next one."""
+    from mindmon.config import TrainStateConfig
+    from mindmon.monitors import GradientSnapshot
+    from mindmon.monitors.train_state import TrainStateMonitor
+
+    config = TrainStateConfig.parse("monitor.train_state", {"local_norm": True, "local_loss": True,
+                                                            "device_norm": True, "device_loss": True})
+    monitor = TrainStateMonitor(config, ["w"], rank=3, on_host=True)
+    g0, g1 = Tensor(np.array([3.0, 4.0], np.float32)), Tensor(np.array([0.0, 8.0], np.float32))
+    monitor.record("local_loss", Tensor(np.float32(2.5)), {"micro_step": 0})
+    monitor.record("local_norm", GradientSnapshot([g0], [g0]), {"micro_step": 0})
+    monitor.record("local_norm", GradientSnapshot([g1], [g0 + g1]), {"micro_step": 1})
+    monitor.record("device_norm", None)   # one rank: device_norm is the last accumulated norm
+    collected = monitor.collect(step=7)
+    assert {(r.step, r.rank, r.iteration) for r in collected} == {(7, 3, None)}
+    records = {(r.kind, r.micro_step, r.name): r.value for r in collected}
+    assert records == {("local_loss", 0, "loss"): 2.5,
+                       ("local_norm", 0, "w"): 5.0, ("micro_norm", 0, "w"): 5.0,
+                       ("local_norm", 1, "w"): pytest.approx(np.hypot(3.0, 12.0) - 5.0, rel=1e-12),
+                       ("micro_norm", 1, "w"): 8.0,
+                       ("device_norm", None, "w"): pytest.approx(np.hypot(3.0, 12.0), rel=1e-12)}
+    assert monitor.collect(step=8) == []
