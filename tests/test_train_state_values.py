@@ -233,3 +233,22 @@ def test_monitor_alone_writes_only_what_was_recorded_and_forgets_it_at_collect()
                        ("micro_norm", 1, "w"): 8.0,
                        ("device_norm", None, "w"): pytest.approx(np.hypot(3.0, 12.0), rel=1e-12)}
     assert monitor.collect(step=8) == []
+
+
+def test_device_norm_of_the_reduced_gradient_when_one_is_given():
+    """With several ranks the loop hands the data-parallel mean to `device_norm`: its norm is written,
+    not this rank's accumulated one; local norms stay this rank's own. Filters pick the names."""
+    from mindmon.config import TrainStateConfig
+    from mindmon.monitors import GradientSnapshot
+    from mindmon.monitors.train_state import TrainStateMonitor
+
+    config = TrainStateConfig.parse("monitor.train_state", {"local_norm": "a", "device_norm": "b"})
+    monitor = TrainStateMonitor(config, ["a", "skipped", "b"], rank=0, on_host=False)
+    local = [Tensor(np.full(5000, v, np.float32)) for v in (1.0, 2.0, 3.0)]
+    reduced = [Tensor(np.full(5000, v, np.float32)) for v in (0.5, 7.0, 0.25)]
+    monitor.record("local_norm", GradientSnapshot(local, local), {"micro_step": 0})
+    monitor.record("device_norm", reduced)
+    records = {(r.kind, r.micro_step, r.name): r.value for r in monitor.collect(step=1)}
+    assert records == {("local_norm", 0, "a"): pytest.approx(np.sqrt(5000.0), rel=1e-6),
+                       ("micro_norm", 0, "a"): pytest.approx(np.sqrt(5000.0), rel=1e-6),
+                       ("device_norm", None, "b"): pytest.approx(0.25 * np.sqrt(5000.0), rel=1e-6)}
