@@ -243,12 +243,32 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
     from mindmon.monitors.train_state import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": "a", "device_norm": "b"})
-    monitor = TrainStateMonitor(config, ["a", "skipped", "b"], rank=0, on_host=False)
+    monitor = TrainStateMonitor(config, ["a", "skipped", "b"], on_host=False)   # rank 0 by default
     local = [Tensor(np.full(5000, v, np.float32)) for v in (1.0, 2.0, 3.0)]
     reduced = [Tensor(np.full(5000, v, np.float32)) for v in (0.5, 7.0, 0.25)]
     monitor.record("local_norm", GradientSnapshot(local, local), {"micro_step": 0})
     monitor.record("device_norm", reduced)
-    records = {(r.kind, r.micro_step, r.name): r.value for r in monitor.collect(step=1)}
+    collected = monitor.collect(step=1)
+    assert {r.rank for r in collected} == {0}
+    records = {(r.kind, r.micro_step, r.name): r.value for r in collected}
     assert records == {("local_norm", 0, "a"): pytest.approx(np.sqrt(5000.0), rel=1e-6),
                        ("micro_norm", 0, "a"): pytest.approx(np.sqrt(5000.0), rel=1e-6),
                        ("device_norm", None, "b"): pytest.approx(0.25 * np.sqrt(5000.0), rel=1e-6)}
+
+
+def test_a_given_way_of_taking_norms_is_the_one_used():
+    """`norms=` swaps in another SquaredNorms (the overhead benchmark does): the monitor must use it."""
+    from mindmon.config import TrainStateConfig
+    from mindmon.monitors import GradientSnapshot
+    from mindmon.monitors.train_state import TrainStateMonitor
+    from mindmon.stats import SquaredNorms
+
+    class QuadrupledNorms(SquaredNorms):
+        def results(self):
+            return {key: 4.0 * value for key, value in super().results().items()}
+
+    config = TrainStateConfig.parse("monitor.train_state", {"device_norm": True})
+    monitor = TrainStateMonitor(config, ["w"], norms=QuadrupledNorms(on_host=True))
+    grad = Tensor(np.array([3.0, 4.0], np.float32))
+    monitor.record("local_norm", GradientSnapshot([grad], [grad]), {"micro_step": 0})
+    assert [(r.kind, r.value) for r in monitor.collect(step=1)] == [("device_norm", 10.0)]
