@@ -19,14 +19,15 @@ LAYER = "decoder.layers.0.self_attention.core_attention.max_logits_val"
 
 
 def _logged_lines(records, caplog, max_steps=None):
-    """The messages LogSink sends to its logger for one step's records, after open(RunInfo)."""
+    """The lines LogSink sends to its logger for one step's records, after open(RunInfo)."""
     logger = logging.getLogger("mindmon-golden")
     sink = LogSink(logger)
     sink.open(RunInfo(rank=0, max_steps=max_steps))
     with caplog.at_level(logging.INFO, logger="mindmon-golden"):
         sink.write(records)
     sink.close()
-    return [r.getMessage() for r in caplog.records if r.name == "mindmon-golden"]
+    # the lines, however many logger calls carry them
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "mindmon-golden").splitlines()
 
 
 def test_tokens_per_expert_line_keeps_its_spaces(caplog):
