@@ -49,6 +49,14 @@ def _values(records, kind, step=1):
     return {(r["micro_step"], r["name"]): r["value"] for r in records if r["kind"] == kind and r["step"] == step}
 
 
+def _first_batch(rank):
+    """Step 1's batch of one rank: the demo's data, sharded by MindSpore as the worker shards it."""
+    sequences = make_sequences(STEPS * GBS, SMALL_MODEL["seq_length"], SMALL_MODEL["vocab_size"], SEED)
+    shard = ds.NumpySlicesDataset((sequences[:, :-1], sequences[:, 1:]), column_names=["input_ids", "labels"],
+                                  shuffle=False, num_shards=RANKS, shard_id=rank).batch(GBS // RANKS)
+    return next(shard.create_dict_iterator(output_numpy=True))
+
+
 def _replay_step1():
     """Per rank: micro-batch losses, the accumulated gradient (sum of grad(loss_k / K)) and the
     per-head max attention logit of its micro-batches, from a fresh model with the demo's init."""
@@ -57,12 +65,9 @@ def _replay_step1():
     model.track_max_attention_logit = True
     params = model.trainable_params()
     grad_fn = value_and_grad(lambda ids, labels: model(ids, labels)[0], None, params)
-    sequences = make_sequences(STEPS * GBS, SMALL_MODEL["seq_length"], SMALL_MODEL["vocab_size"], SEED)
     per_rank = {}
     for rank in range(RANKS):
-        shard = ds.NumpySlicesDataset((sequences[:, :-1], sequences[:, 1:]), column_names=["input_ids", "labels"],
-                                      shuffle=False, num_shards=RANKS, shard_id=rank).batch(GBS // RANKS)
-        batch = next(shard.create_dict_iterator(output_numpy=True))
+        batch = _first_batch(rank)
         losses, accumulated = [], {p.name: 0.0 for p in params}
         for k in range(K):
             rows = slice(k * LBS, (k + 1) * LBS)
@@ -117,6 +122,59 @@ def test_tokens_per_expert_local_with_a_cross_rank_total(run):
                               for (_, name), v in _values(records[rank], "tokens_per_expert", step).items() if name == layer]
             assert len(per_micro_step) == RANKS * K
             assert total == np.sum(per_micro_step, axis=0).tolist()
+
+
+def _replay_router_step1():
+    """{layer: tokens per expert of step 1 summed over both ranks and their micro-batches}, counted from
+    the top-k of each router's scores in a forward pass of a fresh model over each rank's shard."""
+    from types import SimpleNamespace
+
+    from conftest import count_router_choices
+
+    model = DemoMoEGPT(DemoModelConfig.from_dict(SMALL_MODEL))
+    model.set_train(True)
+    counts = count_router_choices(model, SimpleNamespace(step=1), SMALL_MODEL["moe_router_topk"])
+    totals = {}
+    for rank in range(RANKS):
+        batch = _first_batch(rank)
+        for k in range(K):
+            rows = slice(k * LBS, (k + 1) * LBS)
+            model(Tensor(batch["input_ids"][rows]), Tensor(batch["labels"][rows]))
+        for (_, _, layer), tokens in counts.items():
+            totals[layer] = totals.get(layer, 0) + tokens
+        counts.clear()
+    return totals
+
+
+def _load_summaries(tokens):
+    """The documented summaries of one layer's step total, in float64 numpy."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    summaries = {"moe_min_tokens": tokens.min(), "moe_max_tokens": tokens.max(),
+                 "moe_idle_experts": float(np.sum(tokens == 0))}
+    if tokens.mean() > 0:
+        summaries.update(moe_max_over_mean=tokens.max() / tokens.mean(), moe_cv=tokens.std() / tokens.mean())
+    return summaries
+
+
+def test_moe_load_summaries_of_the_sum_over_ranks(run):
+    """Step 1 against the router replay; every step: tokens_per_expert_step is the sum over both ranks of
+    their per-micro-step records, and each summary is numpy's on that total, identical on both ranks."""
+    _, records = run
+    routed = _replay_router_step1()
+    layers = {name for (_, name) in _values(records[0], "tokens_per_expert_step")}
+    assert layers == set(routed) and len(layers) >= 2  # a decoder MoE layer and the MTP layer
+    for step in (1, 2):
+        for layer in layers:
+            total = np.sum([v for rank in range(RANKS) for (_, name), v in
+                            _values(records[rank], "tokens_per_expert", step).items() if name == layer], axis=0)
+            if step == 1:
+                np.testing.assert_array_equal(total, routed[layer])
+            for rank in range(RANKS):
+                assert _values(records[rank], "tokens_per_expert_step", step)[(None, layer)] == total.tolist()
+                got = {kind: _values(records[rank], kind, step)[(None, layer)]
+                       for kind in ("moe_min_tokens", "moe_max_tokens", "moe_idle_experts", "moe_max_over_mean",
+                                    "moe_cv") if (None, layer) in _values(records[rank], kind, step)}
+                assert got == pytest.approx(_load_summaries(total), rel=1e-12, abs=0)
 
 
 def test_profiler_rank_selects_rank_1_only(run):

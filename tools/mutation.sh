@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Mutation testing of mindmon's numeric core with mutmut: on demand, never in CI (each mutant reruns
+# the tests that reach the mutated function; on two cores the default set takes hours).
+#
+#   tools/mutation.sh                                   # the whole numeric core
+#   tools/mutation.sh mindmon/stats.py mindmon/monitors/train_state.py
+#
+# Runs in a scratch copy ($MUTATION_DIR, default /tmp/mindmon-mutation), so the working tree is never
+# touched; prints the surviving mutants and the kill rate. Inspect a survivor with
+#   cd $MUTATION_DIR && $PYTHON -m mutmut show <mutant name>
+# Environment: PYTHON (default: .venv/bin/python when present, else python3), JOBS (parallel mutants,
+# default 2), MUTATION_DIR. Needs the `mutation` extra: pip install -e ".[mutation]".
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+PYTHON="${PYTHON:-$([ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3)}"
+JOBS="${JOBS:-2}"
+SCRATCH="${MUTATION_DIR:-/tmp/mindmon-mutation}"
+
+# The fast test files that check each module's numbers (the msrun test for distributed.py is slow).
+tests_for() {
+  case "$1" in
+    mindmon/stats.py) echo "tests/test_stats.py tests/test_train_state_values.py tests/test_plain_loop.py" ;;
+    mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py" ;;
+    mindmon/monitors/train_state.py) echo "tests/test_train_state_values.py" ;;
+    mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens.py" ;;
+    mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logits.py" ;;
+    mindmon/distributed.py) echo "tests/test_multi_rank.py" ;;
+    mindmon/probes/*) echo "tests/test_probes.py" ;;
+    *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
+  esac
+}
+
+cd "$REPO"
+if [ "$#" -eq 0 ]; then
+  set -- mindmon/stats.py mindmon/step.py mindmon/distributed.py mindmon/monitors/train_state.py \
+    mindmon/monitors/moe_tokens.py mindmon/monitors/max_attention_logit.py mindmon/probes/*.py
+fi
+modules=() tests=()
+for module in "$@"; do
+  [ -f "$module" ] || { echo "tools/mutation.sh: $module: no such file" >&2; exit 2; }
+  modules+=("$module")
+  module_tests="$(tests_for "$module")"   # an unknown module stops the script here
+  for t in $module_tests; do
+    [[ " ${tests[*]-} " == *" $t "* ]] || tests+=("$t")
+  done
+done
+
+rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
+cp -r mindmon tests configs setup.cfg "$SCRATCH/"
+find "$SCRATCH" -name __pycache__ -prune -exec rm -rf {} +
+{
+  printf '\n[mutmut]\nsource_paths = mindmon\nonly_mutate =\n'
+  printf '    %s\n' "${modules[@]}"
+  printf 'pytest_add_cli_args_test_selection =\n'
+  printf '    %s\n' "${tests[@]}"
+  printf 'pytest_add_cli_args =\n    -p\n    no:cacheprovider\n'
+  # MindSpore's thread pools do not survive fork() from a process that ran ops: mutants forked from
+  # mutmut's main process hang (false "timeout" kills). Fork instead from a server that imported
+  # nothing, so every mutant imports MindSpore afresh (a few seconds each, but every verdict is real).
+  printf 'process_isolation = forkserver\nforkserver_warmup = none\n'
+} >> "$SCRATCH/setup.cfg"
+
+cd "$SCRATCH"
+# mutmut puts mutants/ first on sys.path; an installed mindmon must not be imported before that,
+# which its autoload .pth would do at interpreter start
+export MINDMON_AUTOLOAD=0
+echo "mutating: ${modules[*]}"
+echo "tests:    ${tests[*]}"
+"$PYTHON" -m mutmut run --max-children "$JOBS" || true
+"$PYTHON" -m mutmut results || true
+"$PYTHON" -m mutmut export-cicd-stats >/dev/null
+"$PYTHON" - <<'EOF'
+import json
+
+stats = json.load(open("mutants/mutmut-cicd-stats.json"))
+tested = stats["total"] - stats.get("skipped", 0) - stats.get("not_checked", 0)
+caught = stats["killed"] + stats.get("timeout", 0) + stats.get("segfault", 0)
+print(f"mutants: {stats['total']}, killed: {stats['killed']}, timeout: {stats.get('timeout', 0)}, "
+      f"survived: {stats['survived']}, no tests: {stats.get('no_tests', 0)}")
+print(f"kill rate: {100.0 * caught / max(tested, 1):.1f}% of {tested}")
+EOF
