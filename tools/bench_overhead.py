@@ -296,6 +296,28 @@ class TensorStatsConfiguration(Configuration):
         self.monitor.close()
 
 
+class L2Configuration(Configuration):
+    """L2 features on every attention and linear cell (attention entropy and softmax max, stable rank and
+    kernel norm), recorded into a group with the usual sinks. On a model of its own: the forward hooks
+    stay for the whole run. Its mindmon column adds the time inside those hooks."""
+
+    def __init__(self, name: str, size: "BenchSize", out_dir: Path):
+        from mindmon.msprobe import l2_hooks
+
+        super().__init__(name, Workload(size), out_dir, monitor={})
+        self.timer = HookTimer()
+        for factory in ("_attention_hook", "_linear_hook"):   # bench-only: time every hook they make
+            make = getattr(l2_hooks, factory)
+            setattr(l2_hooks, factory, lambda group, row, collecting, make=make:
+                    self.timer.wrap(make(group, row, collecting), True))
+        l2_hooks.attach_l2_features(self.work.model, self.group.group)
+
+    def step(self) -> "StepTime":
+        self.timer.in_step = 0.0
+        timed = super().step()
+        return replace(timed, in_step=timed.in_step + self.timer.in_step)
+
+
 def _file_logger(name: str, path: Path) -> logging.Logger:
     """The log lines go to a file, as MindFormers' info.log would take them."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -432,6 +454,7 @@ def _main_configs(work: Workload, out_dir: Path) -> List[Configuration]:
         Configuration("host_sync_ref", work, out_dir, {"train_state": TRAIN_STATE}, host_sync_norms=True),
         TensorStatsConfiguration("tensor_stats", work.size, out_dir, PARAMETER_STATS),
         TensorStatsConfiguration("activations", work.size, out_dir, ACTIVATIONS),
+        L2Configuration("l2_features", work.size, out_dir),
     ]
 
 
