@@ -445,38 +445,44 @@ def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
     return rows
 
 
-def _main_configs(work: Workload, out_dir: Path) -> List[Configuration]:
+def _main_configs(work: Workload, out_dir: Path, only: Optional[List[str]] = None) -> List[Configuration]:
+    """The main run's configurations (with `only`: `off`, `train_state` and those named)."""
     both = {"train_state": TRAIN_STATE, "moe_monitor": {"save_tokens_per_expert_interval": 1}}
-    return [
-        Configuration("off", work, out_dir),
-        Configuration("train_state", work, out_dir, {"train_state": TRAIN_STATE}),
-        Configuration("+moe+max_logits", work, out_dir, both, max_logits=True),
-        Configuration("host_sync_ref", work, out_dir, {"train_state": TRAIN_STATE}, host_sync_norms=True),
-        TensorStatsConfiguration("tensor_stats", work.size, out_dir, PARAMETER_STATS),
-        TensorStatsConfiguration("activations", work.size, out_dir, ACTIVATIONS),
-        L2Configuration("l2_features", work.size, out_dir),
-    ]
+    makers = {
+        "off": lambda: Configuration("off", work, out_dir),
+        "train_state": lambda: Configuration("train_state", work, out_dir, {"train_state": TRAIN_STATE}),
+        "+moe+max_logits": lambda: Configuration("+moe+max_logits", work, out_dir, both, max_logits=True),
+        "host_sync_ref": lambda: Configuration("host_sync_ref", work, out_dir, {"train_state": TRAIN_STATE},
+                                               host_sync_norms=True),
+        "tensor_stats": lambda: TensorStatsConfiguration("tensor_stats", work.size, out_dir, PARAMETER_STATS),
+        "activations": lambda: TensorStatsConfiguration("activations", work.size, out_dir, ACTIVATIONS),
+        "l2_features": lambda: L2Configuration("l2_features", work.size, out_dir),
+    }
+    wanted = {"off", "train_state", *only} if only else set(makers)
+    return [make() for name, make in makers.items() if name in wanted]
 
 
 def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     work = Workload(size)
     log(f"main run: {work.describe()}")
-    configs = _main_configs(work, out_dir)
+    configs = _main_configs(work, out_dir, args.only)
     samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
     for config in configs:
         config.close()
     rows = summarize(samples)
     off, ours = rows[0], rows[1]
-    reference = next(r for r in rows if r["config"] == "host_sync_ref")
+    reference = next((r for r in rows if r["config"] == "host_sync_ref"), None)
     added = ours["added_ms_per_step"]
-    return {"size": work.describe(), "rows": rows,
+    result = {"size": work.describe(), "rows": rows, "off_median_step_s": off["median_step_s"]}
+    if reference is None:
+        return result
+    return {**result,
             # None: train_state's added wall time is not above zero, i.e. within the noise of this run
             "host_sync_added_over_train_state_added": reference["added_ms_per_step"] / added if added > 0 else None,
             "host_sync_in_mindmon_over_train_state_in_mindmon":
                 reference["in_mindmon_ms_per_step"] / max(ours["in_mindmon_ms_per_step"], 1e-9),
             "host_sync_in_step_over_train_state_in_step":
-                reference["in_step_ms_per_step"] / max(ours["in_step_ms_per_step"], 1e-9),
-            "off_median_step_s": off["median_step_s"]}
+                reference["in_step_ms_per_step"] / max(ours["in_step_ms_per_step"], 1e-9)}
 
 
 def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int, log) -> List[dict]:
@@ -546,6 +552,17 @@ def _peer_lines(rows: List[dict]) -> List[str]:
     return lines
 
 
+def _reference_line(main: dict) -> List[str]:
+    if "host_sync_added_over_train_state_added" not in main:
+        return []
+    wall = main["host_sync_added_over_train_state_added"]
+    wall = f"{wall:.1f}x" if wall is not None else "n/a (train_state's is not above 0: noise)"
+    return [f"host_sync_ref / train_state: added wall time {wall}, "
+            f"time in mindmon calls {main['host_sync_in_mindmon_over_train_state_in_mindmon']:.1f}x, "
+            f"of which in the step's record calls (where they differ) "
+            f"{main['host_sync_in_step_over_train_state_in_step']:.1f}x"]
+
+
 def format_tables(result: dict) -> str:
     head = (f"{'config':<17}{'median step s':>14}{'x off':>8}{'added ms':>10}{'round ratios min..max':>24}"
             f"{'min x off':>11}"
@@ -555,12 +572,7 @@ def format_tables(result: dict) -> str:
              f"{result['settings']['rounds']} x {result['settings']['steps_per_block']}", head]
     lines += [_row_line(r) for r in result["main"]["rows"]]
     main = result["main"]
-    wall = main["host_sync_added_over_train_state_added"]
-    wall = f"{wall:.1f}x" if wall is not None else "n/a (train_state's is not above 0: noise)"
-    lines.append(f"host_sync_ref / train_state: added wall time {wall}, "
-                 f"time in mindmon calls {main['host_sync_in_mindmon_over_train_state_in_mindmon']:.1f}x, "
-                 f"of which in the step's record calls (where they differ) "
-                 f"{main['host_sync_in_step_over_train_state_in_step']:.1f}x")
+    lines += _reference_line(main)
     if result["scaling"]:
         lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",
                   f"{'layers':>6}{'params':>12}{'tensors':>9}{'off step s':>12}{'train_state s':>15}{'x off':>8}"
@@ -616,6 +628,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=BENCH_MODEL["num_layers"], help="decoder layers of the main run")
     parser.add_argument("--scaling-layers", type=int, nargs="*", default=[2, 8, 32])
     parser.add_argument("--scaling-rounds", type=int, default=3, help="rounds of one step per configuration")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="main run: only off, train_state and these configurations (e.g. l2_features)")
     parser.add_argument("--peers", action="store_true",
                         help="also run the msprobe peer comparison (tools/bench_msprobe_peer.py)")
     parser.add_argument("--peer-steps", type=int, default=4, help="timed steps per phase of a peer run")
