@@ -35,7 +35,7 @@ class StableRankMonitor(Monitor):
     """Stable rank and largest eigenvalue of WᵀW for the 2-D and 3-D (one matrix per expert) weights
     `target` selects. Each weight's power iteration starts from the vector the previous collection
     ended with (the weights move little between steps, so a few iterations stay converged); the
-    first collection starts from a seeded random vector."""
+    first collection starts from a fixed random vector."""
 
     def __init__(self, model, section, rank: int = 0, logger: Optional[logging.Logger] = None):
         self.section = section
