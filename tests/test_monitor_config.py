@@ -222,7 +222,8 @@ def test_log_lines_round_trip_and_parse_log(tmp_path):
                      ).monitor.monitor_config
     lines = []
     logger = logging.getLogger("test_monitor_config_lines")
-    logger.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: lines.append(r.getMessage())})())
+    # A step's lines reach the logger as one block (one call per step): collect them line by line.
+    logger.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: lines.extend(r.getMessage().split("\n"))})())
     logger.setLevel(logging.INFO)
     sink = TrainingStateLogSink(logger, section)
     sink.open(RunInfo(max_steps=20))

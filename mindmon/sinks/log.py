@@ -1,6 +1,6 @@
 """LogSink: the documented training-log lines (mindmon.formats.log_lines), through a logger."""
 import logging
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..engine import RunInfo, Sink, SinkClosedError
 from ..formats.log_lines import format_lines
@@ -29,9 +29,13 @@ class LogSink(Sink):
     def write(self, records: Sequence[Record]) -> None:
         if self._closed:
             raise SinkClosedError("mindmon: LogSink: write after close()")
-        lines = format_lines(list(records), self.max_steps)
+        lines = self.lines(list(records))
         if lines:
             self.logger.info("\n".join(lines))
+
+    def lines(self, records: List[Record]) -> List[str]:
+        """The step's lines, in the documented order (a subclass may write other formats)."""
+        return format_lines(records, self.max_steps)
 
     def close(self) -> None:
         self._closed = True

@@ -8,9 +8,9 @@ tag function the TensorBoard sink is given: monitor_config metrics get MindForme
 format has `tensorboard`, nothing otherwise; other records keep mindmon's tags.
 """
 import logging
-from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, FrozenSet, List, Optional, Tuple
 
-from ..engine import RunInfo, Sink, SinkClosedError
+from .log import LogSink
 from ..formats import training_state_log
 from ..formats.log_lines import format_lines
 from ..records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
@@ -40,7 +40,7 @@ def formats_of(section, kind: str) -> Optional[FrozenSet[str]]:
     return section.format(metric) or None
 
 
-class TrainingStateLogSink(Sink):
+class TrainingStateLogSink(LogSink):
     """Example:
         sink = TrainingStateLogSink(logger, config.monitor.monitor_config)
         sink.write([Record(2, None, 0, "weight_norm", "global", 12.5)])
@@ -48,32 +48,22 @@ class TrainingStateLogSink(Sink):
     """
 
     def __init__(self, logger: Optional[logging.Logger], section):
-        self.logger = logger or logging.getLogger("mindmon")
+        super().__init__(logger)
         self.section = section
-        self.max_steps: Optional[int] = None
-        self._closed = False
 
-    def open(self, run: RunInfo) -> None:
-        self.max_steps = run.max_steps
-
-    def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise SinkClosedError("mindmon: TrainingStateLogSink: write after close()")
+    def lines(self, records: List[Record]) -> List[str]:
         own, others = [], []
         for record in records:
             formats = formats_of(self.section, record.kind)
             (others if formats is None else own).append((record, formats))
-        for line in format_lines([r for r, _ in others], self.max_steps):
-            self.logger.info(line)
+        lines = format_lines([r for r, _ in others], self.max_steps)
         ordered = sorted((r for r, formats in own if "log" in formats),
                          key=lambda r: (r.micro_step is None, r.micro_step or 0))
         for record in ordered:
             record_tag = training_state_log.tag(record)
             if record_tag is not None:
-                self.logger.info(training_state_log.line(record.step, self.max_steps, record_tag, record.value))
-
-    def close(self) -> None:
-        self._closed = True
+                lines.append(training_state_log.line(record.step, self.max_steps, record_tag, record.value))
+        return lines
 
 
 def tensorboard_tags(section, default: Callable[[Record], List[Tuple[str, float]]]):
