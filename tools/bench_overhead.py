@@ -494,25 +494,26 @@ def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int
     return summarize(samples)
 
 
-def measure_scaling(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
+def _sweep(work_sizes, key: str, folder: str, args, out_dir: Path, log) -> List[dict]:
+    """off vs train_state for each (value, size): one result per value, under `key`."""
     results = []
-    for layers in args.scaling_layers:
-        work = Workload(size.with_model(num_layers=layers))
-        log(f"scaling run, {layers} layers: {work.describe()}")
-        rows = _off_and_train_state(work, out_dir / f"L{layers}", args.scaling_rounds, args.warmup, log)
-        results.append({"num_layers": layers, "size": work.describe(), "rows": rows})
+    for value, size in work_sizes:
+        work = Workload(size)
+        log(f"{key} run, {value}: {work.describe()}")
+        rows = _off_and_train_state(work, out_dir / f"{folder}{value}", args.scaling_rounds, args.warmup, log)
+        results.append({key: value, "size": work.describe(), "rows": rows})
     return results
+
+
+def measure_scaling(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
+    return _sweep([(n, size.with_model(num_layers=n)) for n in args.scaling_layers], "num_layers", "L",
+                  args, out_dir, log)
 
 
 def measure_sequence(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
     """The main model with longer sequences: more compute per parameter, the same monitoring work."""
-    results = []
-    for seq_length in args.seq_lengths:
-        work = Workload(size.with_model(seq_length=seq_length))
-        log(f"sequence run, {seq_length} tokens: {work.describe()}")
-        rows = _off_and_train_state(work, out_dir / f"S{seq_length}", args.scaling_rounds, args.warmup, log)
-        results.append({"seq_length": seq_length, "size": work.describe(), "rows": rows})
-    return results
+    return _sweep([(n, size.with_model(seq_length=n)) for n in args.seq_lengths], "seq_length", "S",
+                  args, out_dir, log)
 
 
 def measure_peers(args, out_dir: Path, log) -> List[dict]:

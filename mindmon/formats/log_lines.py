@@ -63,12 +63,17 @@ def tokens_per_expert_line(record: Record) -> str:
                        **layer_fields(record.name), "tpe": [record.value]})
 
 
+def _norm_block(marker: str, kind: str, norms: List[Record]) -> List[str]:
+    """A group marker, then one line per parameter norm (none at all without norms)."""
+    if not norms:
+        return []
+    return [marker] + [f'{{ "{kind}": {r.name}: {r.value:.6f} }}' for r in norms]
+
+
 def _micro_step_lines(micro_step: int, records: List[Record]) -> List[str]:
-    lines = []
     norms = [r for r in records if r.kind == LOCAL_NORM]
-    if norms:
-        lines.append(f'{{ "step": {norms[0].step}, "micro_step": {micro_step} }}')
-        lines.extend(f'{{ "local_norm": {r.name}: {r.value:.6f} }}' for r in norms)
+    lines = _norm_block(f'{{ "step": {norms[0].step}, "micro_step": {micro_step} }}' if norms else "",
+                        LOCAL_NORM, norms)
     lines.extend(f'{{ "micro_step": {micro_step}, "local_loss": {loss_text(r.value)} }}'
                  for r in records if r.kind == LOCAL_LOSS)
     lines.extend(tokens_per_expert_line(r) for r in records if r.kind == TOKENS_PER_EXPERT)
@@ -94,9 +99,7 @@ def format_lines(records: List[Record], max_steps: Optional[int] = None) -> List
     for micro_step, group in groupby(micro, key=lambda r: r.micro_step):
         lines += _micro_step_lines(micro_step, list(group))
     device_norms = [r for r in records if r.kind == DEVICE_NORM]
-    if device_norms:
-        lines.append(f'{{ "step": {device_norms[0].step} }}')
-        lines.extend(f'{{ "device_norm": {r.name}: {r.value:.6f} }}' for r in device_norms)
+    lines += _norm_block(f'{{ "step": {device_norms[0].step} }}' if device_norms else "", DEVICE_NORM, device_norms)
     lines.extend(f'{{ "step": {r.step}, "device_loss": {loss_text(r.value)} }}'
                  for r in records if r.kind == DEVICE_LOSS)
     return lines + _max_logit_lines(records, max_steps)
