@@ -14,6 +14,7 @@ _LAZY = {
     "parse_sections": ("mindmon.config", "parse_sections"),
     "AccumulatingTrainStep": ("mindmon.step", "AccumulatingTrainStep"),
     "split_batch": ("mindmon.step", "split_batch"),
+    "parameter_names": ("mindmon.names", "parameter_names"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -21,7 +21,7 @@ class MonitorGroup:
         group = MonitorGroup([TrainStateMonitor(config.train_state, names)], [JsonlSink("./out")])
         group.setup(max_steps=100)
         group.record("local_loss", loss, {"micro_step": 0})
-        group.flush(step=1)
+        group.flush(step=1, loss=loss, grad_norm=grad_norm, learning_rate=1e-3)
         group.close()
     """
 
@@ -36,6 +36,9 @@ class MonitorGroup:
         self._cross_rank = [(m, m.cross_rank_shapes()) for m in self.monitors if m.cross_rank_shapes()]
         self._opened = False
         self._closed = False
+        self._run = RunInfo(rank)
+        self._max_norm: Optional[float] = None
+        self._step_values_failed = False
 
     def add_monitor(self, monitor: Monitor) -> None:
         """A monitor attached while training (msprobe's capabilities switched on by config or dynamically).
@@ -65,7 +68,7 @@ class MonitorGroup:
         written raises ConfigError naming its key, before step 1."""
         if self._opened:
             return
-        run = RunInfo(self.rank, start_step, max_steps, global_batch_size, micro_steps_per_step)
+        run = self._run = RunInfo(self.rank, start_step, max_steps, global_batch_size, micro_steps_per_step)
         for sink in self.sinks:
             sink.open(run)
         self._opened = True
@@ -99,14 +102,36 @@ class MonitorGroup:
             if monitor in self.monitors:
                 self._guard(monitor, monitor.receive_cross_rank_sums, part)
 
-    def flush(self, step: int) -> None:
-        """Step end: every monitor's records to every sink, then the sinks flush."""
-        records = []
+    def set_max_norm(self, max_norm: float) -> None:
+        """The clipping threshold of the run's train step (0: clipping off). `AccumulatingTrainStep`
+        calls this when it is given the group; a `max_norm` record then goes out next to every step's
+        `grad_norm`, so the files say where the gradient was clipped."""
+        self._max_norm = float(max_norm)
+
+    def flush(self, step: int, loss=None, grad_norm=None, learning_rate=None) -> None:
+        """Step end: the step's own values (when given: floats or one-element Tensors; `grad_norm` is
+        the global norm before clipping, as `AccumulatingTrainStep` returns it) and every monitor's
+        records to every sink, then the sinks flush."""
+        records = self._step_values(step, loss, grad_norm, learning_rate)
         for monitor in list(self.monitors):
             records += self._guard(monitor, monitor.collect, step) or []
         self.write(records)
         for sink in list(self.sinks):
             self._sink_call(sink, sink.flush)
+
+    def _step_values(self, step: int, loss, grad_norm, learning_rate) -> List[Record]:
+        if loss is None and grad_norm is None and learning_rate is None:
+            return []
+        from .step_values import step_value_records
+
+        try:
+            return step_value_records(step, self.rank, loss, grad_norm, learning_rate,
+                                      self._run.global_batch_size, self._max_norm)
+        except Exception:  # a value in an unexpected shape must not stop training; said once, not every step
+            if not self._step_values_failed:
+                self.logger.exception("mindmon: could not record the step's loss/grad norm/lr; training goes on")
+            self._step_values_failed = True
+            return []
 
     def write(self, records: Sequence[Record]) -> None:
         """Send records to every sink (the step-end callback adds the trainer's own values here)."""

@@ -30,6 +30,7 @@ LOSS = "loss"                      # name "loss": the step's loss the trainer re
 GRAD_NORM = "grad_norm"            # name "global": global norm of the accumulated gradient, before clipping
 LEARNING_RATE = "learning_rate"    # name "lr": lr_scheduler(step), as MindFormers' LossCallback prints it
 SAMPLES = "samples"                # name "consumed": samples consumed after the step (step x global batch size)
+MAX_NORM = "max_norm"              # name "global": the clipping threshold in force (written with grad_norm, clipping on)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Example (a plain MindSpore loop):
     group.setup()
     for step, batch in enumerate(batches, start=1):
         loss, grad_norm = train_step(split_batch(batch, 4))
-        group.flush(step)
+        group.flush(step, loss=loss, grad_norm=grad_norm)
     group.close()
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -46,6 +46,18 @@ def split_batch(batch: Batch, num_micro_steps: int) -> List[Batch]:
     return [tuple(piece(c, k) for c in batch) for k in range(num_micro_steps)]
 
 
+def check_optimizer(optimizer) -> None:
+    """The train step takes the gradients with respect to `optimizer.parameters` and applies them by
+    calling `optimizer(gradients)`, as a MindSpore `nn.Optimizer` works. A torch-style optimizer
+    (`param_groups`, `zero_grad()`, `step()`) has neither: refused here, not at the first step."""
+    parameters = getattr(optimizer, "parameters", None)
+    if parameters is None or callable(parameters) or not callable(optimizer):
+        raise TypeError(f"optimizer: got {type(optimizer).__module__}.{type(optimizer).__name__}, which has no "
+                        f"`.parameters` sequence or cannot be called with the gradients; allowed: a MindSpore "
+                        f"optimizer (mindspore.nn.Optimizer, e.g. nn.AdamWeightDecay(net.trainable_params())); "
+                        f"torch-style optimizers (param_groups, step()) are not supported")
+
+
 class AccumulatingTrainStep:
     """`step(micro_batches) -> (mean loss Tensor, global grad norm float before clipping)`. A norm
     that is not finite (NaN, inf) is returned as it is and the update is skipped.
@@ -60,11 +72,14 @@ class AccumulatingTrainStep:
                  data_parallel: Optional[DataParallel] = None):
         if num_micro_steps < 1:
             raise ValueError(f"num_micro_steps: got {num_micro_steps}; allowed: a positive int")
+        check_optimizer(optimizer)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.num_micro_steps = num_micro_steps
         self.group = group
         self.max_norm = check_max_norm(max_norm, "max_norm")  # NaN would multiply every gradient by NaN
+        if group is not None:   # so the files mark where the gradient was clipped (`mindmon report`)
+            group.set_max_norm(self.max_norm)
         self.on_host = host_is_device() if on_host is None else on_host
         self.data_parallel = data_parallel or DataParallel()
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)

@@ -154,8 +154,11 @@ class TimedGroup:
     def record(self, key, value=None, context=None) -> None:
         self._timed(True, self.group.record, key, value, context)
 
-    def flush(self, step: int) -> None:
-        self._timed(False, self.group.flush, step)
+    def set_max_norm(self, max_norm: float) -> None:
+        self.group.set_max_norm(max_norm)
+
+    def flush(self, step: int, **step_values) -> None:
+        self._timed(False, self.group.flush, step, **step_values)
 
     def should_skip_update(self, grad_norm: float) -> bool:
         return self.group.should_skip_update(grad_norm)

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
-                      MAX_ATTENTION_LOGIT, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
+                      MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
 from ..formats.jsonl import metrics_files, read_records
 from .to_tensorboard import run_shape
 
@@ -95,7 +95,35 @@ def nonfinite_summary(records: List[Record]) -> Dict[str, List[int]]:
     return dict(found)
 
 
+THRESHOLD_LABEL = "clipping threshold (max_norm)"
+
+
 def loss_figure(records: List[Record], micro_steps: int) -> Optional[str]:
+    fig = loss_plot(records, micro_steps)
+    return None if fig is None else _png(fig)
+
+
+def _grad_norm_panel(ax, norm: List[Record], lr: List[Record], threshold: List[Record]) -> None:
+    """Grad norm before clipping, the clipping threshold where the run clipped (a step above it
+    was scaled down to it), and the learning rate on a second axis."""
+    if norm:
+        _plot(ax, norm, [r.step for r in norm], "-", color="tab:red", label="grad-norm")
+        ax.set_ylabel("global grad norm (before clipping)")
+    if threshold:
+        ax.plot([r.step for r in threshold], [r.value for r in threshold], "--", color="black", linewidth=1,
+                drawstyle="steps-mid", label=THRESHOLD_LABEL)
+    if lr:
+        twin = ax.twinx()
+        twin.plot([r.step for r in lr], [r.value for r in lr], "--", color="tab:green", label="learning-rate")
+        twin.set_ylabel("learning rate")
+        twin.legend(loc="lower right")
+    ax.set(title="Gradient norm and learning rate", xlabel="step")
+    ax.legend(loc="upper left")
+
+
+def loss_plot(records: List[Record], micro_steps: int):
+    """The loss figure (a matplotlib Figure, None when there is nothing to draw): the loss, and
+    below it the grad-norm panel when the run recorded grad_norm or learning_rate."""
     micro, step_loss = _of(records, LOCAL_LOSS), _of(records, DEVICE_LOSS) or _of(records, LOSS)
     norm, lr = _of(records, GRAD_NORM), _of(records, LEARNING_RATE)
     if not (micro or step_loss or norm or lr):
@@ -111,18 +139,8 @@ def loss_figure(records: List[Record], micro_steps: int) -> Optional[str]:
     ax.set(title="Loss", xlabel="step", ylabel="loss")
     ax.legend(loc="upper right")
     if norm or lr:
-        ax = axes[1][0]
-        if norm:
-            _plot(ax, norm, [r.step for r in norm], "-", color="tab:red", label="grad-norm")
-            ax.set_ylabel("global grad norm (before clipping)")
-        if lr:
-            twin = ax.twinx()
-            twin.plot([r.step for r in lr], [r.value for r in lr], "--", color="tab:green", label="learning-rate")
-            twin.set_ylabel("learning rate")
-            twin.legend(loc="lower right")
-        ax.set(title="Gradient norm and learning rate", xlabel="step")
-        ax.legend(loc="upper left")
-    return _png(fig)
+        _grad_norm_panel(axes[1][0], norm, lr, _of(records, MAX_NORM))
+    return fig
 
 
 def group_norms(records: List[Record]) -> Tuple[List[str], List[int], np.ndarray]:

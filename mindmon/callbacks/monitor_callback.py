@@ -1,30 +1,5 @@
 """MonitorCallback: flushes the MonitorGroup at every step end."""
-from typing import List, Optional
-
-from ..records import GRAD_NORM, LEARNING_RATE, LOSS, SAMPLES, Record
 from .base import TrainerCallback
-
-
-def _to_float(value) -> Optional[float]:
-    if value is None:
-        return None
-    return float(value.asnumpy()) if hasattr(value, "asnumpy") else float(value)
-
-
-def step_records(state, rank: int, **kwargs) -> List[Record]:
-    """The values the trainer hands to every callback at step end: the step's loss, the global
-    gradient norm before clipping, the learning rate (`lr_scheduler(step)`, the value MindFormers'
-    LossCallback prints) and the samples consumed so far (`step x global_batch_size`)."""
-    step = state.global_step
-    values = {LOSS: ("loss", _to_float(kwargs.get("loss"))),
-              GRAD_NORM: ("global", _to_float(kwargs.get("grad_norm")))}
-    scheduler = kwargs.get("lr_scheduler")
-    if callable(scheduler):
-        values[LEARNING_RATE] = ("lr", _to_float(scheduler(step)))
-    if getattr(state, "global_batch_size", 0):
-        values[SAMPLES] = ("consumed", float(step * state.global_batch_size))
-    return [Record(step, None, rank, kind, name, value) for kind, (name, value) in values.items()
-            if value is not None]
 
 
 class MonitorCallback(TrainerCallback):
@@ -45,11 +20,18 @@ class MonitorCallback(TrainerCallback):
                          max_steps=getattr(state, "max_steps", None))
 
     def on_step_end(self, args, state, **kwargs):
-        try:
-            self.group.write(step_records(state, self.group.rank, **kwargs))
-        except Exception:  # a value the trainer hands over in an unexpected shape must not stop training
-            self.group.logger.exception("mindmon: could not record the step's loss/grad norm/lr; training goes on")
-        self.group.flush(state.global_step)
+        """The trainer hands over the step's loss, the global grad norm before clipping and its
+        lr_scheduler; the learning rate recorded is `lr_scheduler(step)`, the value MindFormers'
+        LossCallback prints."""
+        scheduler = kwargs.get("lr_scheduler")
+        learning_rate = None
+        if callable(scheduler):
+            try:
+                learning_rate = scheduler(state.global_step)
+            except Exception:  # a scheduler that cannot be asked must not stop training
+                self.group.logger.exception("mindmon: could not read the learning rate; training goes on")
+        self.group.flush(state.global_step, loss=kwargs.get("loss"), grad_norm=kwargs.get("grad_norm"),
+                         learning_rate=learning_rate)
         if self.group.should_stop():   # an alert's stop_on_anomaly: the trainer's loop ends after this step
             state.max_steps = state.global_step
 
