@@ -8,7 +8,8 @@ import pytest
 from conftest import read_jsonl
 
 # Kinds that have no log line: only the JSONL has them.
-JSONL_ONLY = {"micro_norm", "tokens_per_expert_step", "moe_max_over_mean", "moe_cv", "moe_min_tokens", "moe_max_tokens", "moe_idle_experts"}
+JSONL_ONLY = {"micro_norm", "tokens_per_expert_step", "moe_max_over_mean", "moe_cv", "moe_min_tokens", "moe_max_tokens", "moe_idle_experts",
+              "max_norm"}
 
 
 def tolerance(kind, value):

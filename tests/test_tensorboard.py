@@ -97,9 +97,10 @@ def test_tensorboard_alone_records_the_trainer_values(tmp_path):
     config = trainer_config(tmp_path, steps=2, monitor={"tensorboard": {"tensorboard_dir": str(tmp_path / "tb")}})
     trainer = train(config)
     actual = scalars(tmp_path / "tb" / "rank_0")
-    assert set(actual) == {"lm_loss", "grad-norm", "learning-rate", "lm_loss_vs_samples", "grad-norm_vs_samples",
-                           "learning-rate_vs_samples"}
+    assert set(actual) == {"lm_loss", "grad-norm", "learning-rate", "max_norm/global", "lm_loss_vs_samples",
+                           "grad-norm_vs_samples", "learning-rate_vs_samples", "max_norm/global_vs_samples"}
     assert actual["learning-rate"] == {1: pytest.approx(1e-2), 2: pytest.approx(1e-2)}   # constant lr, no warm-up
+    assert actual["max_norm/global"] == {1: 1.0, 2: 1.0}   # training.max_norm: the clipping threshold
     assert sorted(actual["lm_loss_vs_samples"]) == [8, 16]
     assert trainer.state.global_step == 2
 

@@ -101,7 +101,7 @@ def test_filters_select_exactly(tmp_path):
 def test_only_device_norm_still_collects(tmp_path):
     config = trainer_config(tmp_path, steps=1, monitor={"train_state": {"device_norm": True}})
     trainer = train(config)
-    step_values = {"loss", "grad_norm", "learning_rate", "samples"}   # MonitorCallback records these every step
+    step_values = {"loss", "grad_norm", "learning_rate", "samples", "max_norm"}   # MonitorCallback records these every step
     records = [r for r in read_jsonl(tmp_path / "rank_0" / "metrics.jsonl") if r["kind"] not in step_values]
     assert {r["kind"] for r in records} == {"device_norm"}
     assert len(records) == len(trainer.optimizer.parameters)
