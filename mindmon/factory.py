@@ -4,7 +4,7 @@ knows which class serves which key.
 Example (a plain loop; docs/plain-loop.md):
     config = parse_sections({"monitor": {"train_state": {"local_loss": True}},
                              "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}]})
-    group = build_group(config, model=net, parameter_names=[p.name for p in optimizer.parameters])
+    group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer))
 """
 import logging
 import os

@@ -6,7 +6,7 @@ does, and the update is skipped when that norm is not finite.
 
 Example (a plain MindSpore loop):
     group = build_group(parse_sections({"monitor": {"train_state": {"local_norm": True, "local_loss": True}}}),
-                        parameter_names=[p.name for p in optimizer.parameters])
+                        parameter_names=parameter_names(net, optimizer))
     train_step = AccumulatingTrainStep(lambda ids, labels: net(ids, labels)[0], optimizer,
                                        num_micro_steps=4, group=group)
     group.setup()
