@@ -23,6 +23,7 @@ from mindspore import mint, ops, value_and_grad
 from .config import check_max_norm
 from .distributed import DataParallel
 from .monitors import GradientSnapshot
+from .records import LOCAL_NORM
 from .stats import HostGradientBuffer, SquaredNorms, host_is_device
 
 Batch = Union[Dict[str, object], Tuple, List]
@@ -98,7 +99,7 @@ class AccumulatingTrainStep:
             group.record("moe_tpe_step_begin")
         accumulated, loss_sum = self._accumulate_micro_batches(micro_batches, group)
         if accumulated is None and not self.data_parallel.active:   # summed in the host buffer, one rank
-            grad_norm = float(np.sqrt(self._host.squared_norm()))   # no second read of the gradients
+            grad_norm = float(np.sqrt(self._last_norms.accumulated.sum()))   # taken while adding
             accumulated, mean_loss = self._clip_on_host(grad_norm), loss_sum / self.num_micro_steps
             reduced = None
         else:
@@ -120,12 +121,16 @@ class AccumulatingTrainStep:
         """Forward/backward per micro-batch, recording each micro-step. Returns (the summed gradients
         as MindSpore tensors, or None when they are summed in the host buffer; the sum of the losses)."""
         losses, accumulated, host = [], None, self._host
+        wants_norms = group is not None and group.should_record(LOCAL_NORM)
+        self._last_norms = None
         for k, batch in enumerate(micro_batches):
             args = (batch,) if isinstance(batch, dict) else tuple(batch)
             (_, loss), grads = self.grad_fn(*args)
             if host is not None:
-                micro = host.add(grads)
-                snapshot = GradientSnapshot(host.views if k == 0 else micro, host.views)
+                # The last micro-step's norms give the global norm without another read of the buffer.
+                micro, norms = host.add(grads, with_norms=wants_norms or k == len(micro_batches) - 1)
+                snapshot = GradientSnapshot(host.views if k == 0 else micro, host.views, norms)
+                self._last_norms = norms
             else:
                 accumulated = grads if accumulated is None else tuple(a + g for a, g in zip(accumulated, grads))
                 snapshot = GradientSnapshot(grads, accumulated)

@@ -70,3 +70,40 @@ def test_huge_float32_values_do_not_overflow(recwarn):
     assert math.isclose(record.value[0], value, rel_tol=1e-7) and record.value[1] == 0.0
     assert math.isclose(record.value[2], value * math.sqrt(70000), rel_tol=1e-7)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+BOUNDARY_SIZES = (4095, 4096, 4097, 65535, 65536, 65537, 3_000_017)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+@pytest.mark.parametrize("dtype", [ms.float32, ms.bfloat16, ms.float16], ids=str)
+def test_every_block_boundary_and_a_few_million(on_host, dtype):
+    """Large float32 tensors are read block by block (65536 elements); sizes on both sides of each
+    boundary and a few million, a tenth of them exact zeros, against float64 numpy."""
+    rng = np.random.default_rng(13)
+    arrays = [np.where(rng.random(n) < 0.1, 0.0, rng.normal(0.3, 1.0, n)).astype(np.float32) for n in BOUNDARY_SIZES]
+    tensors = [ms.Tensor(a).astype(dtype) for a in arrays]
+    ops = ("min", "max", "mean", "norm", "zeros", "nans")
+    monitor = TensorStatsMonitor(ops, eps=1e-6, on_host=on_host)
+    monitor.record("grad_reduced", [(f"t{i}", t) for i, t in enumerate(tensors)])
+    for record, tensor in zip(monitor.collect(1), tensors):
+        values = tensor.astype(ms.float32).asnumpy()
+        for op, value in zip(record.ops, record.value):
+            expected = statistic(values, op, 1e-6)
+            scale = np.abs(values).max() if op == "mean" else abs(expected)
+            assert abs(value - expected) <= 1e-5 * scale + 1e-12, (record.name, op, value, expected)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
+@pytest.mark.parametrize("where", [0, 65536, 3_000_016], ids=["first-block", "block-start", "last-element"])
+def test_nan_and_inf_in_any_block_of_a_large_tensor(on_host, where):
+    data = np.random.default_rng(17).normal(0.0, 1.0, 3_000_017).astype(np.float32)
+    with_nan, with_inf = data.copy(), data.copy()
+    with_nan[where], with_nan[where // 2 + 1] = np.nan, np.nan
+    with_inf[where] = -np.inf
+    monitor = TensorStatsMonitor(("min", "max", "mean", "norm", "nans"), on_host=on_host)
+    monitor.record("grad_reduced", [("nan", ms.Tensor(with_nan)), ("inf", ms.Tensor(with_inf))])
+    nan_record, inf_record = monitor.collect(1)
+    assert all(math.isnan(v) for v in nan_record.value[:4]) and nan_record.value[4] == 2.0
+    assert inf_record.value[0] == -math.inf and inf_record.value[1] == pytest.approx(float(data.max()))
+    assert inf_record.value[2] == -math.inf and inf_record.value[3] == math.inf and inf_record.value[4] == 0.0

@@ -139,3 +139,31 @@ def test_alias_reuses_the_norms_and_clear_forgets_them(on_host):
 def test_to_float_reads_tensors_numpy_scalars_and_floats():
     assert to_float(Tensor(np.float32(2.5))) == 2.5 and isinstance(to_float(Tensor(np.float32(2.5))), float)
     assert to_float(np.float16(0.5)) == 0.5 and to_float(3) == 3.0
+
+
+def test_host_buffer_norms_taken_while_adding():
+    """The CPU training step's buffer adds three micro-batches and takes, block by block while adding,
+    the squared norm of each micro-batch's gradient and of each sum: at every block boundary, a few
+    million elements, and one parameter that is a scalar, against float64 numpy of the same values."""
+    from mindmon.stats import HostGradientBuffer
+
+    rng = np.random.default_rng(11)
+    shapes = [(n,) for n in BOUNDARY_SIZES] + [(1000, LARGE_SIZE // 1000 + 1), (), (3, 4)]
+    parameters = [Tensor(np.zeros(shape, np.float32)) for shape in shapes]
+    micro_batches = [[Tensor(rng.normal(0.1 * k, 1.0, size=shape).astype(np.float32)) for shape in shapes]
+                     for k in range(3)]
+    buffer, total = HostGradientBuffer(parameters), [np.zeros(shape, np.float64) for shape in shapes]
+    for k, grads in enumerate(micro_batches):
+        _, norms = buffer.add(grads, with_norms=True)
+        mine = [g.asnumpy().astype(np.float64) for g in grads]
+        total = [t + g for t, g in zip(total, mine)]
+        np.testing.assert_allclose(norms.micro, [np.sum(g * g) for g in mine], rtol=1e-6, atol=0)
+        # the float32 sums themselves differ from float64 sums by float32 rounding of each element
+        np.testing.assert_allclose(norms.accumulated, [np.sum(t * t) for t in total], rtol=2e-6, atol=0)
+    _, no_norms = buffer.add(micro_batches[0], with_norms=False)
+    assert no_norms is None
+    gradients = buffer.take()
+    expected = [t + g.asnumpy() for t, g in zip(total, micro_batches[0])]
+    for got, want, shape in zip(gradients, expected, shapes):
+        assert tuple(got.shape) == shape
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-5)

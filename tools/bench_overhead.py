@@ -130,9 +130,15 @@ class TimedGroup:
     """Forwards the training step's calls to a MonitorGroup and adds up the seconds spent in them:
     during the step (reset/record) and at step end (flush)."""
 
-    def __init__(self, group):
+    def __init__(self, group, own_norms: bool = False):
         self.group = group
         self.in_step = self.at_end = 0.0
+        # The host-sync reference takes every norm itself: the training step must not take them while
+        # adding (it would do work the reference does not use) nor hand them over.
+        self.own_norms = own_norms
+
+    def should_record(self, key: str) -> bool:
+        return self.group.should_record(key) and not (self.own_norms and key == "local_norm")
 
     @property
     def active(self) -> bool:
@@ -152,6 +158,8 @@ class TimedGroup:
         self._timed(True, self.group.reset)
 
     def record(self, key, value=None, context=None) -> None:
+        if self.own_norms and key == "local_norm":
+            value = replace(value, squared_norms=None)
         self._timed(True, self.group.record, key, value, context)
 
     def set_max_norm(self, max_norm: float) -> None:
@@ -194,10 +202,28 @@ class Configuration:
         if monitor is not None or max_logits:
             group = _build_group(name, work, out_dir, monitor, max_logits, host_sync_norms)
             group.setup(max_steps=10 ** 6)
-            self.group = TimedGroup(group)
+            self.group = TimedGroup(group, own_norms=host_sync_norms)
         self.train_step = AccumulatingTrainStep(work.loss, work.optimizer, work.size.micro_steps,
                                                 group=self.group, max_norm=1.0)
+        self.buffer_add = 0.0
+        self._time_buffer_add()
         self.steps = 0
+
+    def _time_buffer_add(self) -> None:
+        """Time the CPU host buffer's add in every configuration: with monitoring on it also takes the
+        norms (stats.py), so its extra time over `off`'s is mindmon's too."""
+        host = self.train_step._host
+        if host is None:
+            return
+        add = host.add
+
+        def timed_add(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return add(*args, **kwargs)
+            finally:
+                self.buffer_add += time.perf_counter() - start
+        host.add = timed_add
 
     def enter(self) -> None:
         """Put the shared model in this configuration's state (max-logit tracking on or off)."""
@@ -213,6 +239,7 @@ class Configuration:
         start, cpu_start = time.perf_counter(), time.process_time()
         if self.group is not None:
             self.group.in_step = self.group.at_end = 0.0
+        self.buffer_add = 0.0
         self.steps += 1
         loss, _ = self.train_step(split_batch(self.work.batch, self.work.size.micro_steps))
         if self.read_loss:
@@ -220,7 +247,8 @@ class Configuration:
         if self.group is not None:
             self.group.flush(self.steps)
         in_step, at_end = (self.group.in_step, self.group.at_end) if self.group is not None else (0.0, 0.0)
-        return StepTime(time.perf_counter() - start, time.process_time() - cpu_start, in_step, at_end)
+        return StepTime(time.perf_counter() - start, time.process_time() - cpu_start, in_step, at_end,
+                        self.buffer_add)
 
     def close(self) -> None:
         if self.group is not None:
@@ -356,12 +384,14 @@ class StepTime:
     """Seconds: wall clock; CPU time of the whole process (all threads; other processes' load does not
     count, waiting does not count); wall clock inside mindmon's calls during the step (group
     reset/record: where the norm strategies differ) and at step end (group flush: collect + sinks,
-    and the MaxLogitsMonitor callback). Model-side max-logit tracking is in neither."""
+    and the MaxLogitsMonitor callback); inside the CPU training step's gradient buffer add (every
+    configuration; it takes the norms when monitoring is on). Model-side max-logit tracking is in none."""
 
     wall: float
     cpu: float
     in_step: float
     at_end: float
+    buffer_add: float = 0.0
 
     @property
     def in_mindmon(self) -> float:
@@ -438,14 +468,21 @@ def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
             "round_ratio_min": min(per_round), "round_ratio_max": max(per_round),
             "median_cpu_s": _median(s.times, "cpu"),
             "cpu_ratio_to_off": _median(s.times, "cpu") / _median(base, "cpu"),
-            "in_mindmon_ms_per_step": _median(s.times, "in_mindmon") * 1e3,
-            "in_step_ms_per_step": _median(s.times, "in_step") * 1e3,
-            "at_end_ms_per_step": _median(s.times, "at_end") * 1e3,
-            "in_mindmon_share_of_off_step": _median(s.times, "in_mindmon") / _median(base, "wall"),
+            **_in_mindmon(s.times, base),
             "peak_rss_rise_mib": (statistics.median(s.rss_rise_kib) / 1024) if s.rss_rise_kib else None,
             "python_peak_mib": s.python_peak_kib / 1024 if s.python_peak_kib is not None else None,
         })
     return rows
+
+
+def _in_mindmon(times: List[List[StepTime]], base: List[List[StepTime]]) -> dict:
+    """Time inside mindmon per step: its calls during the step and at step end, plus what the gradient
+    buffer's add takes over `off`'s (the norms taken while adding; never counted below zero)."""
+    buffer_extra = max(_median(times, "buffer_add") - _median(base, "buffer_add"), 0.0)
+    in_mindmon = _median(times, "in_mindmon") + buffer_extra
+    return {"in_mindmon_ms_per_step": in_mindmon * 1e3, "in_step_ms_per_step": _median(times, "in_step") * 1e3,
+            "buffer_add_extra_ms_per_step": buffer_extra * 1e3, "at_end_ms_per_step": _median(times, "at_end") * 1e3,
+            "in_mindmon_share_of_off_step": in_mindmon / _median(base, "wall")}
 
 
 def _main_configs(work: Workload, out_dir: Path, only: Optional[List[str]] = None) -> List[Configuration]:
@@ -484,8 +521,9 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
             "host_sync_added_over_train_state_added": reference["added_ms_per_step"] / added if added > 0 else None,
             "host_sync_in_mindmon_over_train_state_in_mindmon":
                 reference["in_mindmon_ms_per_step"] / max(ours["in_mindmon_ms_per_step"], 1e-9),
-            "host_sync_in_step_over_train_state_in_step":
-                reference["in_step_ms_per_step"] / max(ours["in_step_ms_per_step"], 1e-9)}
+            # train_state's norms are taken in the buffer add; the reference's in its record calls
+            "host_sync_in_step_over_train_state_in_step": reference["in_step_ms_per_step"] / max(
+                ours["in_step_ms_per_step"] + ours["buffer_add_extra_ms_per_step"], 1e-9)}
 
 
 def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int, log) -> List[dict]:
@@ -563,14 +601,14 @@ def _reference_line(main: dict) -> List[str]:
     wall = f"{wall:.1f}x" if wall is not None else "n/a (train_state's is not above 0: noise)"
     return [f"host_sync_ref / train_state: added wall time {wall}, "
             f"time in mindmon calls {main['host_sync_in_mindmon_over_train_state_in_mindmon']:.1f}x, "
-            f"of which in the step's record calls (where they differ) "
+            f"of which in the step (record calls + buffer add: where they differ) "
             f"{main['host_sync_in_step_over_train_state_in_step']:.1f}x"]
 
 
 def format_tables(result: dict) -> str:
     head = (f"{'config':<17}{'median step s':>14}{'x off':>8}{'added ms':>10}{'round ratios min..max':>24}"
             f"{'min x off':>11}"
-            f"{'CPU x off':>11}{'mindmon ms: step+end':>22}{'peak RSS rise MiB':>19}{'py peak MiB':>13}")
+            f"{'CPU x off':>11}{'mindmon ms: step+add+end':>26}{'peak RSS rise MiB':>19}{'py peak MiB':>13}")
     lines = [f"main run ({result['main']['size']['parameters']:,} parameters in "
              f"{result['main']['size']['parameter_tensors']} tensors), rounds x steps per block = "
              f"{result['settings']['rounds']} x {result['settings']['steps_per_block']}", head]
@@ -580,14 +618,14 @@ def format_tables(result: dict) -> str:
     if result["scaling"]:
         lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",
                   f"{'layers':>6}{'params':>12}{'tensors':>9}{'off step s':>12}{'train_state s':>15}{'x off':>8}"
-                  f"{'added ms':>10}{'round ratios min..max':>24}{'CPU x off':>11}{'mindmon ms: step+end':>22}"]
+                  f"{'added ms':>10}{'round ratios min..max':>24}{'CPU x off':>11}{'mindmon ms: step+add+end':>26}"]
         for run in result["scaling"]:
             off, ours = run["rows"]
             lines.append(f"{run['num_layers']:>6}{run['size']['parameters']:>12,}{run['size']['parameter_tensors']:>9}"
                          f"{off['median_step_s']:>12.3f}{ours['median_step_s']:>15.3f}{ours['ratio_to_off']:>8.4f}"
                          f"{ours['added_ms_per_step']:>10.1f}"
                          f"{ours['round_ratio_min']:>12.4f}..{ours['round_ratio_max']:<10.4f}"
-                         f"{ours['cpu_ratio_to_off']:>11.4f}{_split(ours):>22}")
+                         f"{ours['cpu_ratio_to_off']:>11.4f}{_split(ours):>26}")
     lines += _sequence_lines(result.get("sequence") or [], result["main"])
     lines += _peer_lines(result.get("peers") or [])
     return "\n".join(lines)
@@ -609,7 +647,8 @@ def _sequence_lines(runs: List[dict], main: dict) -> List[str]:
 
 
 def _split(row: dict) -> str:
-    return f"{row['in_step_ms_per_step']:.1f}+{row['at_end_ms_per_step']:.1f}"
+    return (f"{row['in_step_ms_per_step']:.1f}+{row.get('buffer_add_extra_ms_per_step', 0.0):.1f}"
+            f"+{row['at_end_ms_per_step']:.1f}")
 
 
 def _row_line(row: dict) -> str:
@@ -619,7 +658,7 @@ def _row_line(row: dict) -> str:
     spread = f"{row['round_ratio_min']:.4f}..{row['round_ratio_max']:.4f}"
     return (f"{row['config']:<17}{row['median_step_s']:>14.3f}{row['ratio_to_off']:>8.4f}"
             f"{row['added_ms_per_step']:>10.1f}{spread:>24}{row['min_ratio_to_off']:>11.4f}{row['cpu_ratio_to_off']:>11.4f}"
-            f"{_split(row):>22}{mib(row['peak_rss_rise_mib']):>19}"
+            f"{_split(row):>26}{mib(row['peak_rss_rise_mib']):>19}"
             f"{mib(row['python_peak_mib']):>13}")
 
 

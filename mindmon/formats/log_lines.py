@@ -83,10 +83,12 @@ def _micro_step_lines(micro_step: int, records: List[Record]) -> List[str]:
 def _max_logit_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     lines = []
     for record in records:
+        if record.kind != MAX_ATTENTION_LOGIT and record.kind not in MAX_LOGIT_SUMMARY_NAMES:
+            continue   # a thousand norm records a step pass here
         prefix = step_prefix(record.step, max_steps) + MAX_ATTENTION_LOGIT + "/"
         if record.kind == MAX_ATTENTION_LOGIT:
             lines.append(f"{prefix}{record.name}: [{', '.join(_head_text(v) for v in record.value)}]")
-        elif record.kind in MAX_LOGIT_SUMMARY_NAMES:
+        else:
             lines.append(f"{prefix}{MAX_LOGIT_SUMMARY_NAMES[record.kind]}: {_head_text(record.value)}")
     return lines
 

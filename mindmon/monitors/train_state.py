@@ -17,7 +17,7 @@ import numpy as np
 from ..config import ConfigError, TrainStateConfig
 from ..engine import Monitor
 from ..records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
-from ..stats import SquaredNorms, to_float
+from ..stats import MicroStepNorms, SquaredNorms, to_float
 
 
 @dataclass
@@ -27,6 +27,8 @@ class GradientSnapshot:
 
     micro: Sequence
     accumulated: Sequence
+    # Their squared norms when the training step already took them (CPU host buffer), else None.
+    squared_norms: Optional[MicroStepNorms] = None
 
 
 class TrainStateMonitor(Monitor):
@@ -51,6 +53,7 @@ class TrainStateMonitor(Monitor):
         # Filters are applied once, here, not per call.
         self.indices = [i for i, wanted in enumerate(want) if wanted]
         self.names = [parameter_names[i] for i in self.indices]
+        self._index_array = np.array(self.indices, dtype=np.int64)
         self.local_mask = np.array([config.local_norm.matches(n) for n in self.names], dtype=bool)
         self.device_mask = np.array([config.device_norm.matches(n) for n in self.names], dtype=bool)
         self.collects_norms = bool(self.indices)
@@ -70,6 +73,9 @@ class TrainStateMonitor(Monitor):
             self._losses.append((micro_step, value))
         elif key == LOCAL_NORM and self.collects_norms:
             self._micro_steps.append(micro_step)
+            if value.squared_norms is not None:
+                self._put_squared_norms(micro_step, value.squared_norms)
+                return
             self._norms.add(("accumulated", micro_step), [value.accumulated[i] for i in self.indices])
             if self.config.local_norm.enabled and value.micro is value.accumulated:
                 # Micro-step 0: the micro-batch's gradient is the accumulated one; read it once.
@@ -81,6 +87,11 @@ class TrainStateMonitor(Monitor):
         elif key == DEVICE_NORM and value is not None and self.config.device_norm.enabled:
             # Several ranks: the gradient the optimizer gets is the data-parallel mean, not A_{K-1}.
             self._norms.add("reduced", [value[i] for i in self.indices])
+
+    def _put_squared_norms(self, micro_step: int, squared: MicroStepNorms) -> None:
+        self._norms.put(("accumulated", micro_step), squared.accumulated[self._index_array])
+        if self.config.local_norm.enabled:
+            self._norms.put(("micro", micro_step), squared.micro[self._index_array])
 
     def collect(self, step: int) -> List[Record]:
         records = []
