@@ -9,7 +9,7 @@ Example:
     norms.add(("accumulated", 0), grads)
     norms.results()[("accumulated", 0)]  # np.ndarray, one float64 per tensor
 """
-from typing import Dict, Hashable, Optional, Sequence
+from typing import Dict, Hashable, Sequence
 
 import numpy as np
 
@@ -67,14 +67,15 @@ _TYPESTR: Dict[str, str] = {"Float32": "<f4", "Float16": "<f2", "Float64": "<f8"
                             "Int16": "<i2", "Int8": "|i1", "UInt8": "|u1", "Bool": "|b1"}
 
 
-def _direct_view(tensor, dtype_name: str) -> Optional[np.ndarray]:
+def _direct_view(tensor, dtype_name: str):
     """A flat numpy view of a CPU tensor's memory from its data pointer (which includes the storage
     offset), or None where `asnumpy()` is needed (non-contiguous views, lazily initialised Parameters,
     other dtypes). Why: `asnumpy()` builds its array through a PEP 3118 buffer whose format string numpy
     parses in Python, 40-100 us per call, which for activations (thousands of tensors per step) was a
     large share of the monitor's time; this view costs about 10 us."""
     typestr = _TYPESTR.get(dtype_name)
-    if typestr is None or not hasattr(tensor, "_data_ptr") or getattr(tensor, "has_init", False) or not tensor.is_contiguous():
+    if (typestr is None or not hasattr(tensor, "_data_ptr") or getattr(tensor, "has_init", False)
+            or not tensor.is_contiguous()):
         return None
     size = int(tensor.size)
     if not size:

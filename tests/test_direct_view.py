@@ -42,4 +42,4 @@ def test_tensor_statistics_read_through_views_when_execution_is_synchronous():
     want = [flat.min(), flat.max(), flat.mean(), np.sqrt((flat * flat).sum()),
             np.count_nonzero(np.abs(tensor.asnumpy()) < np.float32(1e-8)) / flat.size]
     assert np.allclose(values, want, rtol=1e-6, atol=1e-9), (values, want)
-    assert want[4] > 0   # linspace through 0 holds an exact zero: the zero count is not skipped
+    assert want[4] > 0   # linspace through 0 holds an exact zero: a zero count that could be wrong

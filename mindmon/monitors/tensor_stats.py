@@ -25,7 +25,6 @@ Example:
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import math
-import threading
 
 import numpy as np
 
@@ -34,8 +33,6 @@ from ..records import Record, TensorStatsRecord
 from ..stats import _host_array, _squared_norm, direct_views_allowed
 
 _SUM_BLOCK = 1 << 16
-# Arrays up to this size are summed in float64 and counted without scratch buffers.
-_SMALL_SUM = 1 << 12
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
@@ -52,79 +49,41 @@ POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EX
 
 
 def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:
-    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order. Each needed
-    quantity is computed once (min and max are reused to skip the zero count when no element can be
-    within eps of 0)."""
+    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order."""
     size = flat.size
-    if not size:
-        return [0.0 if op in ("nans", "norm") else float("nan") for op in ops]
-    total = _sum(flat) if ("mean" in ops or "nans" in ops) else 0.0
-    low = float(np.min(flat)) if "min" in ops else None   # numpy's min/max propagate NaN
-    high = float(np.max(flat)) if "max" in ops else None
+    total = _sum(flat) if size and ("mean" in ops or "nans" in ops) else 0.0
     out = []
     for op in ops:
         if op == "nans":
             # A NaN makes the sum NaN, so a finite sum proves there is none without another pass.
-            out.append(0.0 if math.isfinite(total) else float(np.count_nonzero(np.isnan(flat))))
+            out.append(0.0 if math.isfinite(total) or not size else float(np.count_nonzero(np.isnan(flat))))
         elif op == "zeros":
-            # eps as the array's dtype: numpy compares a float32 array with a Python float in float32.
-            limit = float(flat.dtype.type(eps)) if flat.dtype.kind == "f" else eps
-            outside = (low is not None and low >= limit) or (high is not None and high <= -limit)
-            out.append(0.0 if outside else _zero_count(flat, eps) / size)
+            out.append(float(np.count_nonzero(np.abs(flat) < eps)) / size if size else float("nan"))
         elif op == "norm":
             out.append(_norm(flat))
         elif op == "id":
             out.append(float(flat[0]) if scalar else float("nan"))
+        elif not size:
+            out.append(float("nan"))
         elif op == "min":
-            out.append(low)
+            out.append(float(np.min(flat)))  # numpy's min/max propagate NaN
         elif op == "max":
-            out.append(high)
+            out.append(float(np.max(flat)))
         elif op == "mean":
             out.append(total / size)
     return out
 
 
-_scratch = threading.local()
-
-
-def _ones(length: int) -> np.ndarray:
-    ones = getattr(_scratch, "ones", None)
-    if ones is None:
-        ones = _scratch.ones = np.ones(_SUM_BLOCK, dtype=np.float32)
-    return ones[:length]
-
-
 def _sum(flat: np.ndarray) -> float:
-    """Sum of the elements: a float32 array as BLAS dot products with ones over blocks of 65536 (float32
-    accumulation in SIMD lanes, relative error about 1e-7; about twice as fast as numpy's pairwise sum),
-    the blocks added in float64; small arrays and other dtypes summed in float64."""
-    if flat.dtype == np.float32 and flat.size > _SMALL_SUM:
+    """Sum of the elements: a float32 array in blocks of 65536 (numpy's pairwise summation inside a block,
+    relative error about 1e-7), the blocks added in float64; other dtypes summed in float64."""
+    if flat.dtype == np.float32:
         with np.errstate(over="ignore", invalid="ignore"):
-            total = 0.0
-            for start in range(0, flat.size, _SUM_BLOCK):
-                block = flat[start:start + _SUM_BLOCK]
-                total += float(np.dot(block, _ones(block.size)))
+            total = sum(float(np.sum(flat[start:start + _SUM_BLOCK])) for start in range(0, flat.size, _SUM_BLOCK))
         if math.isfinite(total):
             return total
     # Other dtypes, and float32 blocks that overflowed (or hold inf/NaN, which stay what they are).
     return float(np.sum(flat, dtype=np.float64))
-
-
-def _zero_count(flat: np.ndarray, eps: float) -> int:
-    """How many elements have |x| < eps, over blocks through reused scratch buffers (a fresh 256 KiB
-    temporary per tensor costs page faults)."""
-    if flat.size <= _SMALL_SUM or flat.dtype != np.float32:
-        return int(np.count_nonzero(np.abs(flat) < eps))
-    if getattr(_scratch, "absolute", None) is None:
-        _scratch.absolute = np.empty(_SUM_BLOCK, dtype=np.float32)
-        _scratch.below = np.empty(_SUM_BLOCK, dtype=np.bool_)
-    count = 0
-    for start in range(0, flat.size, _SUM_BLOCK):
-        block = flat[start:start + _SUM_BLOCK]
-        absolute, below = _scratch.absolute[:block.size], _scratch.below[:block.size]
-        np.abs(block, out=absolute)
-        count += int(np.count_nonzero(np.less(absolute, eps, out=below)))
-    return count
 
 
 def _norm(flat: np.ndarray) -> float:
