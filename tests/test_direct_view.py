@@ -41,5 +41,6 @@ def test_tensor_statistics_read_through_views_when_execution_is_synchronous():
     flat = tensor.asnumpy().astype(np.float64)
     want = [flat.min(), flat.max(), flat.mean(), np.sqrt((flat * flat).sum()),
             np.count_nonzero(np.abs(tensor.asnumpy()) < np.float32(1e-8)) / flat.size]
-    assert np.allclose(values, want, rtol=1e-6, atol=1e-9), (values, want)
+    # float32 accumulation: the mean within ~1e-7 of max|x| (= 1 here), the rest to relative 1e-6
+    assert np.allclose(values, want, rtol=1e-6, atol=1e-7), (values, want)
     assert want[4] > 0   # linspace through 0 holds an exact zero: a zero count that could be wrong
