@@ -30,7 +30,7 @@ import numpy as np
 
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
-from ..stats import _host_array, _squared_norm, direct_views_allowed
+from ..stats import _host_array, _squared_norm
 
 _SUM_BLOCK = 1 << 16
 
@@ -160,6 +160,8 @@ class TensorStats:
         layouts = [describe(t) for _, t in named_tensors]
         if self.on_host:
             if self._direct is None:
+                from ..stats import direct_views_allowed
+
                 self._direct = direct_views_allowed()
             values = np.array([numpy_stats(_host_array(t, self._direct), self.ops, self.eps, not shape)
                                for (_, t), (shape, _) in zip(named_tensors, layouts)], dtype=np.float64)
