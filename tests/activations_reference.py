@@ -9,15 +9,19 @@ import numpy as np
 from msprobe_reference import K, LR, BETA1, BETA2, WEIGHT_DECAY, batches, make_model, reference_run
 
 
-def activation_rows(steps):
-    """{(prefix, step, micro_step, row name): float64 array} of actv and actv_grad."""
-    weights = reference_run(steps=steps)
+def activation_rows(steps, weights_at=None, input_scale=1.0):
+    """{(prefix, step, micro_step, row name): float64 array} of actv and actv_grad. `weights_at(step)`:
+    {parameter name: array} at the start of a step (default: the single-process run's); the inputs are
+    the reference batches times `input_scale` (a data-parallel rank's own data)."""
+    if weights_at is None:
+        weights = reference_run(steps=steps)
+        weights_at = lambda step: {n: weights[("param_origin", step, None, n)]   # noqa: E731
+                                   for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
     rows = {}
     for step in range(steps):
-        w = {n: weights[("param_origin", step, None, n)] for n in ("fc1.weight", "fc1.bias", "fc2.weight",
-                                                                    "fc2.bias")}
+        w = weights_at(step)
         for k, (x, y) in enumerate(batches()[step]):
-            x, y = x.astype(np.float64), y.astype(np.float64)
+            x, y = x.astype(np.float64) * input_scale, y.astype(np.float64)
             h = x @ w["fc1.weight"].T + w["fc1.bias"]
             a = np.maximum(h, 0)
             o = a @ w["fc2.weight"].T + w["fc2.bias"]

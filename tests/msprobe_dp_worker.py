@@ -1,7 +1,8 @@
 """One data-parallel rank of an msprobe-style loop, started by msrun (see test_msprobe_data_parallel.py).
 
 Rank r trains on the reference batches scaled by (1 + r); after the K micro-batches the summed gradients
-are averaged over the ranks with one AllReduce and passed to the optimizer.
+are averaged over the ranks with one AllReduce and passed to the optimizer. A second argument `relu_cell`
+trains the activation tests' model (its ReLU a cell of its own; test_activations_multi_rank.py).
 """
 import sys
 
@@ -9,17 +10,19 @@ import mindspore as ms
 from mindspore import nn, ops, value_and_grad
 from mindspore.communication import GlobalComm, get_group_size, get_rank, init
 
+from activations_reference import make_relu_model
 from msprobe_reference import K, batches, make_model, make_optimizer
 from mindmon.msprobe import TrainerMon
 
 STEPS = 2
 
 
-def main(config_path: str) -> None:
+def main(config_path: str, model_kind: str = "mlp") -> None:
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     init("mccl")
     rank, size = get_rank(), get_group_size()
-    model = make_model()
+    model = make_relu_model() if model_kind == "relu_cell" else make_model()
+    model.set_train(model_kind == "relu_cell")   # activations are collected from cells in training mode
     optimizer = make_optimizer("AdamWeightDecay", model.trainable_params())
     monitor = TrainerMon(config_path, params_have_main_grad=False)
     monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer, dp_group=GlobalComm.WORLD_COMM_GROUP)
@@ -35,4 +38,4 @@ def main(config_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -1,8 +1,9 @@
 """One process of the msprobe peer comparison: the overhead benchmark's model in an msprobe-style
 loop (micro-batch gradients summed, `param.grad` set, `optimizer(grads)`), timed first without
-monitoring, then with a TrainerMon attached collecting weights, gradients and Adam moments.
+monitoring, then with a TrainerMon attached collecting weights, gradients and Adam moments (or, with
+`--monitored activations`, the inputs and outputs of every cell and their gradients).
 
-    python tools/bench_msprobe_peer.py {msprobe|mindmon} OUTPUT_DIR [--steps N] [--tiny]
+    python tools/bench_msprobe_peer.py {msprobe|mindmon} OUTPUT_DIR [--steps N] [--tiny] [--monitored activations]
 
 Prints one JSON line: median step seconds off and on. msprobe's TrainerMon patches the optimizer and
 cannot be detached, so each implementation gets a process of its own and "off" is measured in that
@@ -20,6 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PEER_OPS = ["min", "max", "mean", "zeros", "nans"]
+# What is monitored: weights, gradients and Adam moments of every parameter; or the inputs and outputs of
+# every cell and their gradients (msprobe hooks no cell with empty targets unless all_xy is set).
+MONITORED = {"parameters": {"param_distribution": True, "wg_distribution": True, "mv_distribution": True},
+             "activations": {"xy_distribution": True, "all_xy": True}}
 
 
 def _loop_step(work, grad_fn) -> float:
@@ -42,6 +47,7 @@ def main(argv=None) -> dict:
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--monitored", choices=tuple(MONITORED), default="parameters")
     args = parser.parse_args(argv)
     import mindspore as ms
     from mindspore import value_and_grad
@@ -60,14 +66,13 @@ def main(argv=None) -> dict:
         from mindmon.msprobe import TrainerMon
     args.output_dir.mkdir(parents=True, exist_ok=True)
     config = args.output_dir / "config.json"
-    config.write_text(json.dumps({"targets": {}, "param_distribution": True, "wg_distribution": True,
-                                  "mv_distribution": True, "format": "csv", "ops": PEER_OPS}))
+    config.write_text(json.dumps({"targets": {}, **MONITORED[args.monitored], "format": "csv", "ops": PEER_OPS}))
     os.environ["MONITOR_OUTPUT_DIR"] = str(args.output_dir / "out")
     monitor = TrainerMon(str(config), params_have_main_grad=False)
     monitor.set_monitor(work.model, grad_acc_steps=work.size.micro_steps, optimizer=work.optimizer)
     _loop_step(work, grad_fn)   # warm-up with monitoring (first files, first hooks)
     on = [_loop_step(work, grad_fn) for _ in range(args.steps)]
-    result = {"implementation": args.implementation, "off_median_s": statistics.median(off),
+    result = {"implementation": args.implementation, "monitored": args.monitored, "off_median_s": statistics.median(off),
               "on_median_s": statistics.median(on), "steps": args.steps}
     print(json.dumps(result), flush=True)
     return result

@@ -561,36 +561,50 @@ def measure_peers(args, out_dir: Path, log) -> List[dict]:
     """mindmon's and msprobe's TrainerMon on the same msprobe-style loop and statistics, one process
     each (tools/bench_msprobe_peer.py). msprobe's row is there when `import msprobe.mindspore` works in
     this environment (pip install mindstudio-probe, plus its dependencies)."""
-    script = Path(__file__).resolve().parent / "bench_msprobe_peer.py"
     rows = []
-    for implementation in ("mindmon", "msprobe"):
-        if implementation == "msprobe" and subprocess.run([sys.executable, "-c", "import msprobe.mindspore"],
-                                                          capture_output=True).returncode:
-            log("peer run: msprobe is not importable here; its row is left out")
-            continue
-        log(f"peer run: {implementation}")
-        done = subprocess.run([sys.executable, str(script), implementation, str(out_dir / f"peer_{implementation}"),
-                               "--steps", str(args.peer_steps)] + (["--tiny"] if args.tiny else []),
-                              capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            log(f"peer run: {implementation} failed: {done.stderr[-500:]}")
-            continue
-        row = json.loads(lines[-1])
-        row.update(ratio_to_off=row["on_median_s"] / row["off_median_s"],
-                   added_ms_per_step=(row["on_median_s"] - row["off_median_s"]) * 1e3)
-        rows.append(row)
+    for monitored in args.peer_monitored:
+        for implementation in ("mindmon", "msprobe"):
+            if implementation == "msprobe" and subprocess.run([sys.executable, "-c", "import msprobe.mindspore"],
+                                                              capture_output=True).returncode:
+                log("peer run: msprobe is not importable here; its row is left out")
+                continue
+            row = _peer_run(implementation, monitored, args, out_dir, log)
+            if row is not None:
+                rows.append(row)
     return rows
+
+
+def _peer_run(implementation: str, monitored: str, args, out_dir: Path, log) -> Optional[dict]:
+    """One peer process; its row, with the number of statistics its monitor reported failing (msprobe
+    logs 'An error occurred while generating ... metrics' and leaves the rows out)."""
+    script = Path(__file__).resolve().parent / "bench_msprobe_peer.py"
+    log(f"peer run: {implementation}, {monitored}")
+    done = subprocess.run([sys.executable, str(script), implementation,
+                           str(out_dir / f"peer_{implementation}_{monitored}"), "--steps", str(args.peer_steps),
+                           "--monitored", monitored] + (["--tiny"] if args.tiny else []),
+                          capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        log(f"peer run: {implementation} failed: {done.stderr[-500:]}")
+        return None
+    row = json.loads(lines[-1])
+    row.update(ratio_to_off=row["on_median_s"] / row["off_median_s"],
+               added_ms_per_step=(row["on_median_s"] - row["off_median_s"]) * 1e3,
+               failed_statistics_logged=(done.stdout + done.stderr).count("An error occurred while generating"))
+    return row
 
 
 def _peer_lines(rows: List[dict]) -> List[str]:
     if not rows:
         return []
-    lines = ["", "peers (msprobe-style loop; weights, gradients, Adam moments of every parameter; "
-                 "ops min/max/mean/zeros/nans; one process each, off then on):",
-             f"{'TrainerMon':<12}{'off step s':>12}{'on step s':>11}{'x off':>8}{'added ms':>10}"]
-    lines += [f"{r['implementation']:<12}{r['off_median_s']:>12.3f}{r['on_median_s']:>11.3f}"
-              f"{r['ratio_to_off']:>8.3f}{r['added_ms_per_step']:>10.1f}" for r in rows]
+    lines = ["", "peers (msprobe-style loop; parameters: weights, gradients, Adam moments of every parameter; "
+                 "activations: inputs and outputs of every cell and their gradients; ops min/max/mean/zeros/nans; "
+                 "one process each, off then on; failures: statistics the monitor logged as failed):",
+             f"{'TrainerMon':<12}{'monitored':<13}{'off step s':>12}{'on step s':>11}{'x off':>8}{'added ms':>10}"
+             f"{'failures':>10}"]
+    lines += [f"{r['implementation']:<12}{r.get('monitored', 'parameters'):<13}{r['off_median_s']:>12.3f}"
+              f"{r['on_median_s']:>11.3f}{r['ratio_to_off']:>8.3f}{r['added_ms_per_step']:>10.1f}"
+              f"{r.get('failed_statistics_logged', 0):>10}" for r in rows]
     return lines
 
 
@@ -676,6 +690,8 @@ def parse_args(argv=None):
     parser.add_argument("--peers", action="store_true",
                         help="also run the msprobe peer comparison (tools/bench_msprobe_peer.py)")
     parser.add_argument("--peer-steps", type=int, default=4, help="timed steps per phase of a peer run")
+    parser.add_argument("--peer-monitored", nargs="+", choices=("parameters", "activations"),
+                        default=["parameters"], help="what the peer runs monitor (each a pair of processes)")
     parser.add_argument("--seq-lengths", type=int, nargs="*", default=[512],
                         help="sequence lengths of the sequence run (the main model, off vs train_state)")
     parser.add_argument("--scaling-hidden", type=int, default=128,

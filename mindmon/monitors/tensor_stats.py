@@ -165,7 +165,7 @@ class HostTensor:
 
 def describe(tensor) -> Tuple[Tuple[int, ...], str]:
     """Shape and dtype as msprobe prints them: `(16, 8)`, `Float32`."""
-    return tuple(int(d) for d in tensor.shape), str(tensor.dtype)
+    return tuple(map(int, tensor.shape)), str(tensor.dtype)
 
 
 class TensorStats:
@@ -176,6 +176,7 @@ class TensorStats:
         self.eps = eps
         self.on_host = on_host
         self._pending: List[Tuple[str, Optional[int], List[str], List[tuple], object]] = []
+        self._direct: Optional[bool] = None   # direct_views_allowed(), read once per step
 
     def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
         if not named_tensors:
@@ -183,8 +184,12 @@ class TensorStats:
         names = [name for name, _ in named_tensors]
         layouts = [describe(t) for _, t in named_tensors]
         if self.on_host:
-            values = np.array([numpy_stats(_host_array(t), self.ops, self.eps, not t.shape) for _, t in named_tensors],
-                              dtype=np.float64)
+            if self._direct is None:
+                from ..stats import direct_views_allowed
+
+                self._direct = direct_views_allowed()
+            values = np.array([numpy_stats(_host_array(t, self._direct), self.ops, self.eps, not shape)
+                               for (_, t), (shape, _) in zip(named_tensors, layouts)], dtype=np.float64)
         else:
             from mindspore import ops as msops
 
@@ -207,6 +212,7 @@ class TensorStats:
 
     def clear(self) -> None:
         self._pending.clear()
+        self._direct = None   # the execution mode is read again in the next step
 
 
 class TensorStatsMonitor(Monitor):
