@@ -133,14 +133,18 @@ class SquaredNorms:
             self._pending[key] = self._pending[existing]
 
     def results(self) -> Dict[Hashable, np.ndarray]:
-        out, copied = {}, {}  # an aliased device tensor is copied to the host once
-        for key, value in self._pending.items():
-            if not isinstance(value, np.ndarray):
-                if id(value) not in copied:
-                    copied[id(value)] = value.asnumpy().astype(np.float64)
-                value = copied[id(value)]
-            out[key] = value
-        return out
+        """Every key's squared norms as float64 arrays; the device tensors of all keys reach the host in
+        one transfer (an aliased one once)."""
+        device = list({id(v): v for v in self._pending.values() if not isinstance(v, np.ndarray)}.values())
+        host = {}
+        if device:
+            from mindspore import ops
+
+            copied = ops.concat(device).asnumpy().astype(np.float64)
+            parts = np.split(copied, np.cumsum([int(v.shape[0]) for v in device])[:-1])
+            host = {id(v): part for v, part in zip(device, parts)}
+        return {key: value if isinstance(value, np.ndarray) else host[id(value)]
+                for key, value in self._pending.items()}
 
     def clear(self) -> None:
         self._pending.clear()

@@ -126,10 +126,10 @@ def _monitored_step(tmp_path, on_host, monkeypatch):
 def test_device_path_reads_nothing_to_the_host_inside_the_step(tmp_path, monkeypatch):
     reads, tensors, records = _monitored_step(tmp_path, on_host=False, monkeypatch=monkeypatch)
     assert reads.in_record == 0
-    # At flush: one stacked transfer per norm set (accumulated and micro-batch gradient per micro-step,
-    # micro-step 0's being one set), one per micro-batch loss, one for the device loss, one for all MoE
-    # snapshots; never one per parameter.
-    assert reads.in_flush == (2 * 4 - 1) + 4 + 1 + 1 < tensors
+    # At flush: one transfer for every norm set of the step (accumulated and micro-batch gradient per
+    # micro-step), one per micro-batch loss, one for the device loss, one for all MoE snapshots; never
+    # one per parameter.
+    assert reads.in_flush == 1 + 4 + 1 + 1 < tensors
     assert sum(r["kind"] == "local_norm" for r in records) == 4 * tensors
 
 
