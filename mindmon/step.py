@@ -18,8 +18,9 @@ Example (a plain MindSpore loop):
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-from mindspore import mint, ops, value_and_grad
+from mindspore import ops, value_and_grad
 
+from .compat import narrow
 from .config import check_max_norm
 from .distributed import DataParallel
 from .monitors import GradientSnapshot
@@ -39,7 +40,7 @@ def split_batch(batch: Batch, num_micro_steps: int) -> List[Batch]:
     size = next(iter(sizes)) // num_micro_steps
 
     def piece(column, k):
-        return column if num_micro_steps == 1 else mint.narrow(column, 0, k * size, size)
+        return column if num_micro_steps == 1 else narrow(column, 0, k * size, size)
 
     if isinstance(batch, dict):
         return [{name: piece(c, k) for name, c in batch.items()} for k in range(num_micro_steps)]

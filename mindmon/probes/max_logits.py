@@ -51,7 +51,8 @@ class MaxLogitProbe:
         self.reset()
 
     def attach(self, cell) -> None:
-        self.handle = cell.register_forward_hook(self)
+        # a bound method: MindSpore 2.7 accepts only functions and methods as hooks
+        self.handle = cell.register_forward_hook(self.__call__)
 
     def detach(self) -> None:
         if self.handle is not None:

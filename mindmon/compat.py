@@ -1,0 +1,71 @@
+"""Differences between the MindSpore versions mindmon supports, and mindnlp's changes to MindSpore.
+
+Every shim mindmon needs lives here, each with the reason it exists (docs/mindnlp.md):
+
+- MindSpore 2.7 has no CPU kernel for `mint.narrow` (NarrowExt) and `mint.split` (SplitTensor):
+  `narrow` and `split` fall back to `ops.narrow` and `ops.split`, which have one.
+- MindSpore 2.7 accepts only functions and bound methods as cell hooks (no callable objects).
+- `import mindnlp` (through its `mindtorch` package) replaces methods of `mindspore.Tensor` process-wide
+  with PyTorch-style ones: `max(axis=...)`, `swapaxes`, `expand_dims` and the arithmetic operators
+  follow torch's rules and check a `device` tag that tensors made by MindSpore itself (the gradients of
+  `value_and_grad`) do not carry. mindmon's own tensor arithmetic therefore goes through MindSpore's
+  functional ops (`ops.add`, `ops.max`, ...), which these patches do not touch.
+- mindnlp's modules list their children with `named_modules()`; MindSpore cells with `cells_and_names()`.
+"""
+from typing import Iterator, Tuple
+
+_has_cpu_kernel = {}
+
+
+def _mint_runs(name: str) -> bool:
+    """True when `mint.<name>` runs here (MindSpore 2.7 has no CPU kernel for mint.narrow and mint.split).
+    Tried once on a tiny tensor and read back, so that a launch failure, which is asynchronous without
+    `pynative_synchronize`, surfaces now and not at exit."""
+    if name not in _has_cpu_kernel:
+        import numpy as np
+        from mindspore import Tensor, mint
+
+        trial = Tensor(np.arange(4, dtype=np.float32))
+        try:
+            result = mint.narrow(trial, 0, 1, 2) if name == "narrow" else mint.split(trial, 2, dim=-1)[1]
+            _has_cpu_kernel[name] = bool(result.asnumpy()[0] in (1, 2))
+        except Exception:   # "Not found op ... on device CPU"
+            _has_cpu_kernel[name] = False
+    return _has_cpu_kernel[name]
+
+
+def narrow(tensor, dim: int, start: int, length: int):
+    """`length` entries of `dim` from `start` (mint.narrow, or ops.narrow where mint's has no kernel)."""
+    from mindspore import mint, ops
+
+    return (mint.narrow if _mint_runs("narrow") else ops.narrow)(tensor, dim, start, length)
+
+
+def split(tensor, size: int, dim: int = -1):
+    """Pieces of `size` along `dim` (mint.split, or ops.split where mint's has no kernel)."""
+    from mindspore import mint, ops
+
+    return mint.split(tensor, size, dim=dim) if _mint_runs("split") else ops.split(tensor, size, dim)
+
+
+def named_cells(model) -> Iterator[Tuple[str, object]]:
+    """(name, cell) for every cell of a MindSpore model or module of a mindnlp (PyTorch-style) model."""
+    if hasattr(model, "cells_and_names"):
+        return model.cells_and_names()
+    return model.named_modules()
+
+
+def module_parameters(cell):
+    """The parameters of a cell (MindSpore) or module (mindnlp), its children's included."""
+    if hasattr(cell, "get_parameters"):
+        return cell.get_parameters()
+    return cell.parameters()
+
+
+def parameter_names(model, parameters) -> list:
+    """The model's name of each parameter, in the order given (an optimizer's `parameters`). MindSpore
+    parameters carry their name; mindnlp's carry a random one, so the model's `named_parameters()` wins."""
+    if hasattr(model, "named_parameters") and not hasattr(model, "parameters_and_names"):
+        by_id = {id(p): name for name, p in model.named_parameters()}
+        return [by_id.get(id(p), p.name) for p in parameters]
+    return [p.name for p in parameters]
