@@ -12,6 +12,7 @@ Every shim mindmon needs lives here, each with the reason it exists (docs/mindnl
   functional ops (`ops.add`, `ops.max`, ...), which these patches do not touch.
 - mindnlp's modules list their children with `named_modules()`; MindSpore cells with `cells_and_names()`.
 """
+import sys
 from typing import Iterator, Tuple
 
 _has_cpu_kernel = {}
@@ -65,7 +66,36 @@ def module_parameters(cell):
 def parameter_names(model, parameters) -> list:
     """The model's name of each parameter, in the order given (an optimizer's `parameters`). MindSpore
     parameters carry their name; mindnlp's carry a random one, so the model's `named_parameters()` wins."""
-    if hasattr(model, "named_parameters") and not hasattr(model, "parameters_and_names"):
+    if not hasattr(model, "cells_and_names") and hasattr(model, "named_parameters"):   # not a MindSpore Cell
         by_id = {id(p): name for name, p in model.named_parameters()}
         return [by_id.get(id(p), p.name) for p in parameters]
     return [p.name for p in parameters]
+
+
+def with_device_of(tensors, references) -> tuple:
+    """With mindnlp loaded, the tensors MindSpore makes itself (the gradients and auxiliary outputs of
+    `value_and_grad`) lack the `device` tag mindnlp's Tensor methods require ("Tensor must have device"
+    at the first `+`). Each tensor without one gets the tag of its reference (its parameter), so that
+    mindmon's arithmetic and the user's optimizer both work on them. Without mindnlp: unchanged."""
+    tensors = tuple(tensors)
+    if "mindtorch" not in sys.modules:
+        return tensors
+    for tensor, reference in zip(tensors, references):
+        device = getattr(reference, "_device", None)
+        if device is not None and getattr(tensor, "_device", None) is None:
+            tensor._device = device
+    return tensors
+
+
+def register_gradient_hook(tensor, hook):
+    """`tensor.register_hook(hook)`: the hook receives the tensor's gradient. mindnlp replaces
+    `Tensor.register_hook` with one that fails on its own parameters (it reads a `_data` they do not
+    have), so with mindnlp loaded MindSpore's implementation is called directly."""
+    if "mindtorch" not in sys.modules:
+        return tensor.register_hook(hook)
+    from mindspore._c_expression import TensorPy
+    from mindspore.common.hook_handle import _TensorHookHandle
+
+    handle = _TensorHookHandle(tensor)
+    handle.id = TensorPy.register_hook(tensor, hook)
+    return handle
