@@ -99,3 +99,16 @@ def register_gradient_hook(tensor, hook):
     handle = _TensorHookHandle(tensor)
     handle.id = TensorPy.register_hook(tensor, hook)
     return handle
+
+
+def dtype_name(dtype) -> str:
+    """MindSpore's name of a dtype, `Float32` (what msprobe's CSV files hold). mindnlp makes `str()` of a
+    dtype its repr, `mindspore.float32`; that is turned back into the name."""
+    text = str(dtype)
+    if not text.startswith("mindspore."):
+        return text
+    name = text[len("mindspore."):].rstrip("_")
+    special = {"bfloat16": "BFloat16", "bool": "Bool"}
+    if name in special:
+        return special[name]
+    return "UInt" + name[4:] if name.startswith("uint") else name[:1].upper() + name[1:]

@@ -34,3 +34,10 @@ def test_a_cells_parameter_names_are_its_own():
     dense = ms.nn.Dense(3, 2)
     parameters = dense.trainable_params()
     assert compat.parameter_names(dense, parameters) == [p.name for p in parameters] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("dtype, name", [(ms.float32, "Float32"), (ms.bfloat16, "BFloat16"), (ms.uint8, "UInt8"),
+                                         (ms.bool_, "Bool"), (ms.int64, "Int64")])
+def test_dtype_names_are_msprobes_whatever_str_gives(dtype, name):
+    assert compat.dtype_name(dtype) == name
+    assert compat.dtype_name(repr(dtype)) == name   # what str() gives once mindnlp is imported
