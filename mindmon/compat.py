@@ -6,11 +6,14 @@ Every shim mindmon needs lives here, each with the reason it exists (docs/mindnl
   `narrow` and `split` fall back to `ops.narrow` and `ops.split`, which have one.
 - MindSpore 2.7 accepts only functions and bound methods as cell hooks (no callable objects).
 - `import mindnlp` (through its `mindtorch` package) replaces methods of `mindspore.Tensor` process-wide
-  with PyTorch-style ones: `max(axis=...)`, `swapaxes`, `expand_dims` and the arithmetic operators
-  follow torch's rules and check a `device` tag that tensors made by MindSpore itself (the gradients of
-  `value_and_grad`) do not carry. mindmon's own tensor arithmetic therefore goes through MindSpore's
-  functional ops (`ops.add`, `ops.max`, ...), which these patches do not touch.
-- mindnlp's modules list their children with `named_modules()`; MindSpore cells with `cells_and_names()`.
+  with PyTorch-style ones: `max(axis=...)` returns (values, indices), `transpose` takes two axes, and
+  the arithmetic operators check a `device` tag that tensors made by MindSpore itself (the gradients of
+  `value_and_grad`, `ops.narrow`'s output) do not carry. `with_device_of` gives them the tag; the
+  max-logit probe uses MindSpore's functional ops only, which these patches do not touch.
+- mindnlp's modules list their children with `named_modules()` (MindSpore cells: `cells_and_names()`),
+  its parameters carry random names, its `Tensor.register_hook` fails on its own parameters and
+  `str(dtype)` becomes `mindspore.float32`: `named_cells`, `parameter_names`, `register_gradient_hook`
+  and `dtype_name` work either way.
 """
 import sys
 from typing import Iterator, Tuple

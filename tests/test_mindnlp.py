@@ -194,7 +194,7 @@ def _check_msprobe_csv(root, names, steps):
     rows = {}
     for path in glob.glob(os.path.join(folders[0], "*.csv")):
         for record in read_csv(path):
-            assert record.dtype == "Float32", (path, record.name, record.dtype)   # msprobe's name, as without mindnlp
+            assert record.dtype == "Float32", (path, record.name, record.dtype)   # as without mindnlp
             rows[(record.kind, record.step - 1, record.name)] = dict(zip(record.ops, record.value))
     expected = {}
     for step, ref in enumerate(steps):
