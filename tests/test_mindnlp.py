@@ -200,7 +200,8 @@ def _check_msprobe_csv(root, names, steps):
     for step, ref in enumerate(steps):
         for n in names:
             expected.update({("param_origin", step, n): ref["before"][n], ("param_updated", step, n): ref["after"][n],
-                             ("grad_unreduced", step, n): ref["A"][-1][n], ("grad_reduced", step, n): ref["applied"][n]})
+                             ("grad_unreduced", step, n): ref["A"][-1][n],
+                             ("grad_reduced", step, n): ref["applied"][n]})
     assert set(rows) == set(expected)
     for key, array in expected.items():
         want = {"min": array.min(), "max": array.max(), "mean": array.mean(), "norm": np.linalg.norm(array)}
@@ -208,3 +209,40 @@ def _check_msprobe_csv(root, names, steps):
         for op, value in rows[key].items():
             # float32 training against float64: 1e-4 relative; `mean` relative to the tensor's scale
             assert abs(value - want[op]) <= 1e-4 * (abs(want[op]) if op != "mean" else scale) + 1e-9, (key, op)
+
+
+def test_qwen2_activations_through_trainer_mon(qwen2, tmp_path, monkeypatch):
+    """Forward activations (`xy_distribution`) of a mindnlp module: the MLP's output recomputed in numpy
+    from its input (taken by a hook of the test's own) and its weights: down(silu(gate x) * up x)."""
+    import mindspore as ms
+
+    from mindmon.compat import with_device_of
+    from mindmon.formats.msprobe_csv import read_csv
+    from mindmon.msprobe import TrainerMon
+
+    config, model_class, _ = qwen2
+    model = model_class(config)
+    mlp = model.get_submodule("model.layers.0.mlp")
+    inputs = []
+    mlp.register_forward_hook(lambda module, args, output: inputs.append(args[0].asnumpy().astype(np.float64)))
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "msprobe"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "targets": {"model.layers.0.mlp": {"input": "tensor", "output": "tensor"}}, "xy_distribution": True,
+        "forward_only": True, "format": "csv", "ops": ["min", "max", "norm"], "ndigits": 12}))
+    optimizer = SGD(model.parameters(), LR)
+    TrainerMon(str(tmp_path / "config.json")).set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    weights = {name: p.asnumpy().astype(np.float64) for name, p in mlp.named_parameters()}
+    grad_fn = ms.value_and_grad(lambda ids: model(input_ids=ids, labels=ids).loss, None, optimizer.parameters)
+    _, grads = grad_fn(ms.Tensor(_batches()[0]))
+    optimizer(with_device_of(grads, optimizer.parameters))
+    x = inputs[0]
+    gate, up = x @ weights["gate_proj.weight"].T, x @ weights["up_proj.weight"].T
+    expected = {"model.layers.0.mlp.input": x,
+                "model.layers.0.mlp.output": (gate / (1 + np.exp(-gate)) * up) @ weights["down_proj.weight"].T}
+    (path,) = glob.glob(str(tmp_path / "msprobe" / "*-rank0-*" / "actv_0-0.csv"))
+    rows = {record.name: dict(zip(record.ops, record.value)) for record in read_csv(path)}
+    assert set(rows) == set(expected)
+    for name, array in expected.items():
+        want = {"min": array.min(), "max": array.max(), "norm": np.linalg.norm(array)}
+        for op, value in rows[name].items():
+            assert value == pytest.approx(want[op], rel=1e-5), (name, op)
