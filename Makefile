@@ -1,11 +1,15 @@
 # `make demo`: create .venv if needed, install mindmon and its pinned dependencies, train the demo.
 # `make test`: the same install plus pytest, then the whole test suite (what .ci/run does).
+# `make test-ms27`: the low end of the supported range (MindSpore 2.7.0 + mindnlp 0.5.1, no MindFormers) in
+# .venv-ms27, pinned by constraints-ms27.txt; runs the tests marked `ms27` (docs/testing.md).
 # Versions are pinned by constraints.txt; `pip install mindmon` alone never installs or replaces MindSpore.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+VENV_MS27 ?= .venv-ms27
+BIN_MS27 := $(VENV_MS27)/bin
 
-.PHONY: install demo test clean
+.PHONY: install demo test install-ms27 test-ms27 clean
 
 install:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +21,18 @@ demo: install
 	$(BIN)/mindmon demo
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not mindnlp" tests
+
+install-ms27:
+	@test -x $(BIN_MS27)/python || $(PYTHON) -m venv $(VENV_MS27)
+	$(BIN_MS27)/python -m pip install -q --upgrade "pip>=23"
+	$(BIN_MS27)/python -m pip install -q -c constraints-ms27.txt ".[mindspore,mindnlp,test]"
+	@rm -rf build mindmon.egg-info
+
+# Two processes: `import mindnlp` changes mindspore.Tensor for the whole process it runs in.
+test-ms27: install-ms27
+	$(BIN_MS27)/python -m pytest -q -m "ms27 and not mindformers and not mindnlp" tests
+	$(BIN_MS27)/python -m pytest -q -m "mindnlp" tests
 
 clean:
-	rm -rf $(VENV) build mindmon.egg-info output
+	rm -rf $(VENV) $(VENV_MS27) build mindmon.egg-info output

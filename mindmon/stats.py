@@ -51,10 +51,13 @@ def _host_array(tensor, direct: bool = False) -> np.ndarray:
 def direct_views_allowed() -> bool:
     """May `_host_array(..., direct=True)` read a tensor's memory through its data pointer? Only on CPU
     with synchronous execution (`pynative_synchronize`), where a tensor a hook sees is already computed;
-    asynchronous execution needs asnumpy's wait. Costs ~0.3 ms (two context reads): ask once per step."""
+    asynchronous execution needs asnumpy's wait. Not before MindSpore 2.8: 2.7 logs an error for a tensor
+    whose host memory has no device address yet. Costs ~0.3 ms (context reads): ask once per step."""
     import mindspore as ms
 
-    return ms.get_context("device_target") == "CPU" and bool(ms.get_context("pynative_synchronize"))
+    version = tuple(int(p) for p in ms.__version__.split(".")[:2] if p.isdigit())
+    return (version >= (2, 8) and ms.get_context("device_target") == "CPU"
+            and bool(ms.get_context("pynative_synchronize")))
 
 
 class _ArrayInterface:
@@ -80,10 +83,12 @@ def _direct_view(tensor, dtype_name: str):
     size = int(tensor.size)
     if not size:
         return np.empty(0, dtype=typestr)
+    pointer = tensor._data_ptr()
+    if not pointer:   # MindSpore 2.7: 0 for a tensor built from numpy whose device address is not set yet
+        return None
     interface = _ArrayInterface()
     interface.owner = tensor
-    interface.__array_interface__ = {"data": (tensor._data_ptr(), False), "shape": (size,), "typestr": typestr,
-                                     "version": 3}
+    interface.__array_interface__ = {"data": (pointer, False), "shape": (size,), "typestr": typestr, "version": 3}
     return np.asarray(interface)
 
 

@@ -18,8 +18,9 @@ Example (a plain MindSpore loop):
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-from mindspore import mint, ops, value_and_grad
+from mindspore import ops, value_and_grad
 
+from .compat import narrow, with_device_of
 from .config import check_max_norm
 from .distributed import DataParallel
 from .monitors import GradientSnapshot
@@ -40,7 +41,9 @@ def split_batch(batch: Batch, num_micro_steps: int) -> List[Batch]:
     size = next(iter(sizes)) // num_micro_steps
 
     def piece(column, k):
-        return column if num_micro_steps == 1 else mint.narrow(column, 0, k * size, size)
+        if num_micro_steps == 1:
+            return column
+        return with_device_of((narrow(column, 0, k * size, size),), (column,))[0]   # mindnlp's device tag
 
     if isinstance(batch, dict):
         return [{name: piece(c, k) for name, c in batch.items()} for k in range(num_micro_steps)]
@@ -86,6 +89,7 @@ class AccumulatingTrainStep:
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
         # On CPU with float32 parameters the gradients are summed in one numpy buffer (stats.py).
         parameters = list(optimizer.parameters)
+        self._parameters = parameters
         self._host = HostGradientBuffer(parameters) if self.on_host and HostGradientBuffer.fits(parameters) else None
 
     def _scaled_loss(self, *args):
@@ -110,7 +114,7 @@ class AccumulatingTrainStep:
         # Asked at every step: the group's actions may take part in a collective.
         skip = self.group is not None and self.group.should_skip_update(grad_norm)
         if np.isfinite(grad_norm) and not skip:
-            self.optimizer(accumulated)
+            self.optimizer(with_device_of(accumulated, self._parameters))
         if group is not None:
             group.record("device_loss", mean_loss)
             # Several ranks: the norm of the data-parallel mean, before clipping; one rank: A_{K-1}.
@@ -126,6 +130,8 @@ class AccumulatingTrainStep:
         for k, batch in enumerate(micro_batches):
             args = (batch,) if isinstance(batch, dict) else tuple(batch)
             (_, loss), grads = self.grad_fn(*args)
+            grads = with_device_of(grads, self._parameters)   # mindnlp's tensors need a device tag
+            loss = with_device_of((loss,), self._parameters[:1])[0]
             if host is not None:
                 # The last micro-step's norms give the global norm without another read of the buffer.
                 micro, norms = host.add(grads, with_norms=wants_norms or k == len(micro_batches) - 1)

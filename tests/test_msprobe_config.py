@@ -7,6 +7,8 @@ import pytest
 from mindmon.config import ConfigError
 from mindmon.msprobe import TrainerMon, load_config_json, parse_tensor_stats
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 # msprobe's documented full configuration (its "detailed configuration" example), targets emptied.
 DOCUMENTED_FULL = {
     "targets": {}, "dynamic_on": False, "start_step": 0, "collect_times": 100000000, "step_interval": 1,

@@ -10,6 +10,8 @@ from mindmon.formats import msprobe_csv as fmt
 from mindmon.records import TensorStatsRecord
 from mindmon.sinks.csv import MsprobeCsvSink
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 
 def record(step, name, values, ops=("min", "norm"), micro_step=None, kind="grad_reduced"):
     return TensorStatsRecord(step, micro_step, 0, kind, name, list(values), ops=ops, shape=(2, 3), dtype="Float32")

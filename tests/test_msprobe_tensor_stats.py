@@ -8,6 +8,8 @@ import pytest
 from mindmon.monitors.tensor_stats import OPS, TensorStatsMonitor
 from msprobe_reference import statistic
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "device"])
 def test_nan_and_inf_are_recorded_not_dropped(on_host):

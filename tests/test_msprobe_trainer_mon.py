@@ -16,6 +16,8 @@ from mindmon.formats import jsonl
 from mindmon.formats.msprobe_csv import read_csv
 from mindmon.msprobe import TrainerMon
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 # The configurations of msprobe's documentation, `norm` included.
 WEIGHT_GRADIENTS = {"targets": {}, "wg_distribution": True, "format": "csv", "ops": ["min", "max", "mean", "norm"],
                     "ndigits": 16}
@@ -151,7 +153,8 @@ def test_torch_style_adamw_three_steps(tmp_path, output_root):
     assert_matches_reference(rows, reference_run(adamw_torch), 12)
 
 
-@pytest.mark.parametrize("kind", ["Adam", "experimental.Adam", "mindformers.AdamW"])
+@pytest.mark.parametrize("kind", ["Adam", "experimental.Adam",
+                                  pytest.param("mindformers.AdamW", marks=pytest.mark.mindformers)])
 def test_moments_of_other_optimizers(tmp_path, output_root, kind):
     """Before step 1 every Adam keeps m = (1 - b1) g0 and v = (1 - b2) g0^2 of the step-0 gradient,
     whatever its update rule."""

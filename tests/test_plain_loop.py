@@ -10,6 +10,8 @@ from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_bat
 from mindmon.stats import SquaredNorms
 from scripts.plain_loop_job import Regression
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 
 def _data(rng, n=8):
     x = rng.normal(size=(n, 3)).astype(np.float32)

@@ -136,6 +136,7 @@ class DemoWithoutAccessors(DemoMoEGPT):
     reset_max_attention_logit = None
 
 
+@pytest.mark.ms27
 def test_mask_input_and_flattened_layout_match_the_demo_models_own_tracking():
     """A probe on the demo's core attention (TH layout, additive mask as input 3) must report what the
     demo's own in-kernel tracking computes: a second, independent implementation."""
@@ -154,6 +155,7 @@ def test_mask_input_and_flattened_layout_match_the_demo_models_own_tracking():
         np.testing.assert_allclose(probed[name].asnumpy(), value.asnumpy(), rtol=1e-5)
 
 
+@pytest.mark.ms27
 def test_bad_probe_arguments_name_what_is_allowed():
     model = PlainMoEGPT()
     with pytest.raises(ValueError, match=r"matches no cell of PlainMoEGPT; allowed: a regular expression"):

@@ -4,9 +4,12 @@ import logging
 
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore import mint, nn, ops
 
 from mindmon.probes import attach_max_logit_probes, track_attention_function
+
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
 
 BATCH, Q_HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 5, 8
 

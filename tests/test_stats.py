@@ -14,6 +14,8 @@ from mindspore import Tensor
 
 from mindmon.stats import SquaredNorms, host_is_device, to_float
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 BOUNDARY_SIZES = (4095, 4096, 4097, 65535, 65536, 65537)
 LARGE_SIZE = 3_000_001  # a few million, not a multiple of any block
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}

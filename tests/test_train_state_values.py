@@ -12,6 +12,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from conftest import read_jsonl
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
 
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
 K, SAMPLES, STEPS, LR = 4, 8, 2, 0.5
 NAMES = ("hidden.weight", "hidden.bias", "out.weight", "out.bias")
 

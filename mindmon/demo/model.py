@@ -18,6 +18,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 
+from ..compat import narrow, split
+
 _MASKED = -1e9
 
 
@@ -103,7 +105,7 @@ class CoreAttention(nn.Cell):
 
     def construct(self, q, k, v, mask):
         # mint.split, not tensor slicing: a slice waits for the async op queue on CPU.
-        heads = zip(*(mint.split(t, self.head_dim, dim=-1) for t in (q, k, v)))
+        heads = zip(*(split(t, self.head_dim, dim=-1) for t in (q, k, v)))
         contexts, all_scores = [], []
         for q_h, k_h, v_h in heads:
             scores = self.scores_matmul(q_h, k_h) * self.scale + mask
@@ -133,7 +135,7 @@ class SelfAttention(nn.Cell):
         self.linear_proj = Linear(h, h, rng, cfg.init_std)
 
     def construct(self, x, mask):
-        q, k, v = mint.split(self.linear_qkv(x), self.hidden_size, dim=-1)
+        q, k, v = split(self.linear_qkv(x), self.hidden_size, dim=-1)
         context = self.core_attention(q, k, v, mask)
         return self.linear_proj(context)
 
@@ -174,7 +176,7 @@ class Experts(nn.Cell):
 
     def construct(self, tokens, expert_weights):
         out = ops.zeros_like(tokens)
-        for expert, weight in zip(self.local_experts, mint.split(expert_weights, 1, dim=1)):
+        for expert, weight in zip(self.local_experts, split(expert_weights, 1, dim=1)):
             out = out + expert(tokens) * weight
         return out
 
@@ -341,10 +343,10 @@ class DemoMoEGPT(nn.Cell):
         for depth, layer in enumerate(self.mtp.layers, start=1):
             # Depth d predicts token t+1+d from the state at t and the embedding of token t+d.
             length = seq - depth
-            hidden = mint.narrow(hidden.reshape(batch, length + 1, -1), 1, 0, length).reshape(batch * length, -1)
-            next_embeddings = self.embedding(mint.narrow(input_ids, 1, depth, length))
+            hidden = narrow(hidden.reshape(batch, length + 1, -1), 1, 0, length).reshape(batch * length, -1)
+            next_embeddings = self.embedding(narrow(input_ids, 1, depth, length))
             hidden, aux_loss = layer(hidden, next_embeddings, self._mask(batch, length))
-            depth_labels = mint.narrow(labels, 1, depth, length).reshape(-1)
+            depth_labels = narrow(labels, 1, depth, length).reshape(-1)
             total = total + _log_softmax_nll(self.output_layer(hidden), depth_labels, self.config.vocab_size)
             total = total + aux_loss
         return self.config.mtp_loss_scale * total / len(self.mtp.layers)

@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 
+from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
 from ..stats import _BLOCK, _SMALL, _host_array, _squared_norm
@@ -165,7 +166,7 @@ class HostTensor:
 
 def describe(tensor) -> Tuple[Tuple[int, ...], str]:
     """Shape and dtype as msprobe prints them: `(16, 8)`, `Float32`."""
-    return tuple(map(int, tensor.shape)), str(tensor.dtype)
+    return tuple(map(int, tensor.shape)), dtype_name(tensor.dtype)
 
 
 class TensorStats:

@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..compat import named_cells
 from ..config import ConfigError, _describe
 from ..monitors.tensor_stats import ACTV, ACTV_GRAD
 
@@ -147,7 +148,7 @@ def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
 
 def check_spec_targets(model, config) -> None:
     """Every target with specs names a cell of the model (checked before training)."""
-    cells = {name for name, _ in model.cells_and_names()}
+    cells = {name for name, _ in named_cells(model)}
     for name in config.xy_specs:
         if name not in cells:
             examples = sorted(cells)[:6]
@@ -189,7 +190,7 @@ class ActivationHooks:
     def attach(self, model) -> int:
         """Hooks every monitored cell; returns how many."""
         count = 0
-        for name, cell in model.cells_and_names():
+        for name, cell in named_cells(model):
             plan = cell_plan(name, self.config)
             forward = {k: s for k, s in plan.items() if k in FORWARD_KEYS}
             backward = {k: s for k, s in plan.items() if k in BACKWARD_KEYS}

@@ -5,6 +5,7 @@ Both are resolved once, when the monitor is attached, never per step.
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..compat import module_parameters, named_cells, parameter_names
 from ..config import ConfigError
 
 # Attribute pairs (first moment, second moment) of the optimizers that keep Adam state, each a
@@ -48,17 +49,18 @@ def select_parameters(model, parameters: Sequence, targets: Tuple[str, ...], squ
     ending at a dot). No targets = every parameter. A target that selects nothing is a ConfigError."""
     chosen = {}
     cell_parameters = _cell_parameters(model, targets)
+    names = parameter_names(model, parameters)   # mindnlp's parameters carry random names
     for target in targets:
-        found = [i for i, p in enumerate(parameters)
-                 if _matches(p.name, target) or (squash and _matches(squash_name(p.name), target))
-                 or id(p) in cell_parameters.get(target, ())]
+        found = [i for i, name in enumerate(names)
+                 if _matches(name, target) or (squash and _matches(squash_name(name), target))
+                 or id(parameters[i]) in cell_parameters.get(target, ())]
         if not found:
-            examples = [name for name, _ in list(model.cells_and_names())[1:4]] + [p.name for p in parameters[:3]]
+            examples = [name for name, _ in list(named_cells(model))[1:4]] + list(names[:3])
             raise ConfigError(f"targets: {target!r} selects no parameter the optimizer trains; allowed: module "
                               f"names from cells_and_names() or parameter names, such as {examples}")
         chosen.update(dict.fromkeys(found))
     indices = sorted(chosen) if targets else range(len(parameters))
-    return [(i, squash_name(parameters[i].name) if squash else parameters[i].name) for i in indices]
+    return [(i, squash_name(names[i]) if squash else names[i]) for i in indices]
 
 
 def _matches(name: str, target: str) -> bool:
@@ -67,7 +69,7 @@ def _matches(name: str, target: str) -> bool:
 
 def _cell_parameters(model, targets: Tuple[str, ...]) -> Dict[str, set]:
     wanted = set(targets)
-    return {name: {id(p) for p in cell.get_parameters()} for name, cell in model.cells_and_names() if name in wanted}
+    return {name: {id(p) for p in module_parameters(cell)} for name, cell in named_cells(model) if name in wanted}
 
 
 def find_moments(optimizer, count: int) -> Optional[Tuple[Sequence, Sequence]]:

@@ -24,6 +24,7 @@ import os
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..compat import register_gradient_hook
 from ..config import ConfigError, _is_int
 from ..distributed import DataParallel
 from ..engine import Sink
@@ -300,7 +301,7 @@ class TrainerMon:
         self._sums.per_micro_batch = config.monitor_mbs_grad
         if config.wg_distribution:
             for index, name in self.selected:
-                hook = self.parameters[index].register_hook(self._gradient_hook(index, name))
+                hook = register_gradient_hook(self.parameters[index], self._gradient_hook(index, name))
                 self._capability_handles.append(hook)
         if config.collects_activations:
             self._activations = ActivationHooks(config, self._record_activations, lambda: self._collecting,

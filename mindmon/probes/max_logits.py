@@ -15,7 +15,10 @@ LAYOUTS = ("BNSD", "BSND", "BSH", "TH")
 
 def _heads_first(tensor, layout: str, num_heads: int):
     """(batch, heads, seq, head_dim) from one of LAYOUTS; TH is (tokens, heads * head_dim). A tensor
-    that does not fit is a ValueError naming its shape (the probe then detaches itself)."""
+    that does not fit is a ValueError naming its shape (the probe then detaches itself). Functional ops
+    only: with mindnlp loaded, Tensor methods follow PyTorch (mindmon/compat.py)."""
+    from mindspore import ops
+
     expected_rank = {"BNSD": 4, "BSND": 4, "BSH": 3, "TH": 2}[layout]
     if tensor.ndim != expected_rank or (layout in ("BNSD", "BSND") and
                                         tensor.shape[1 if layout == "BNSD" else 2] != num_heads):
@@ -23,11 +26,11 @@ def _heads_first(tensor, layout: str, num_heads: int):
     if layout == "BNSD":
         return tensor
     if layout == "BSND":
-        return tensor.transpose(0, 2, 1, 3)
+        return ops.transpose(tensor, (0, 2, 1, 3))
     if layout == "TH":
-        tensor = tensor.reshape((1,) + tuple(tensor.shape))
+        tensor = ops.expand_dims(tensor, 0)
     batch, seq, hidden = tensor.shape
-    return tensor.reshape(batch, seq, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+    return ops.transpose(ops.reshape(tensor, (batch, seq, num_heads, hidden // num_heads)), (0, 2, 1, 3))
 
 
 class MaxLogitProbe:
@@ -51,7 +54,8 @@ class MaxLogitProbe:
         self.reset()
 
     def attach(self, cell) -> None:
-        self.handle = cell.register_forward_hook(self)
+        # a bound method: MindSpore 2.7 accepts only functions and methods as hooks
+        self.handle = cell.register_forward_hook(self.__call__)
 
     def detach(self) -> None:
         if self.handle is not None:
@@ -78,21 +82,23 @@ class MaxLogitProbe:
             self.model = None   # tracked nothing more, even when called through a wrapped function
 
     def _update(self, query, key, inputs) -> None:
-        from mindspore import mint, ops
+        import mindspore as ms
+        from mindspore import ops
 
-        q = _heads_first(ops.stop_gradient(query), self.layout, self.num_heads).float()
-        k = _heads_first(ops.stop_gradient(key), self.layout, self.num_kv_heads).float()
+        q = ops.cast(_heads_first(ops.stop_gradient(query), self.layout, self.num_heads), ms.float32)
+        k = ops.cast(_heads_first(ops.stop_gradient(key), self.layout, self.num_kv_heads), ms.float32)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         batch, _, q_len, head_dim = q.shape
         group = self.num_heads // self.num_kv_heads
-        grouped_q = q.reshape(batch, self.num_kv_heads, group, q_len, head_dim)
-        scores = ops.matmul(grouped_q, k.swapaxes(-1, -2).expand_dims(2)) * scale   # (b, kv, group, q, k)
-        scores = scores.reshape(batch, self.num_heads, q_len, -1)
+        grouped_q = ops.reshape(q, (batch, self.num_kv_heads, group, q_len, head_dim))
+        keys_t = ops.expand_dims(ops.swapaxes(k, -1, -2), 2)
+        scores = ops.mul(ops.matmul(grouped_q, keys_t), scale)   # (b, kv, group, q, k)
+        scores = ops.reshape(scores, (batch, self.num_heads, q_len, -1))
         masked = self._masked(inputs, scores)
         if masked is not None:
-            scores = mint.where(masked, float("-inf"), scores)
-        head_max = scores.swapaxes(0, 1).reshape(self.num_heads, -1).max(axis=1)
-        self.value = mint.maximum(self.value, head_max)
+            scores = ops.masked_fill(scores, masked, float("-inf"))
+        head_max = ops.amax(ops.reshape(ops.swapaxes(scores, 0, 1), (self.num_heads, -1)), axis=1)
+        self.value = ops.maximum(self.value, head_max)
 
     def _masked(self, inputs, scores):
         """Where the attention does not look: the call's own mask input (bool or 0/1: True = masked,
@@ -102,8 +108,8 @@ class MaxLogitProbe:
 
         if self.mask_input is not None:
             mask = ops.stop_gradient(inputs[self.mask_input])
-            masked = mask < 0 if mask.is_floating_point() else mask.astype(ms.bool_)
-            return masked.reshape(masked.shape if masked.ndim == 4 else (1, 1) + tuple(masked.shape[-2:]))
+            masked = ops.less(mask, 0) if mask.is_floating_point() else ops.cast(mask, ms.bool_)
+            return ops.reshape(masked, masked.shape if masked.ndim == 4 else (1, 1) + tuple(masked.shape[-2:]))
         if self.causal:
             q_len, k_len = scores.shape[-2:]
             return Tensor(np.triu(np.ones((q_len, k_len), bool), k=1 + k_len - q_len))

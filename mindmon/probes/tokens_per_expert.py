@@ -61,6 +61,7 @@ def attach_tokens_per_expert_probes(model, routers: str, num_experts: int, topk:
         if getattr(cell, "tokens_per_expert", None) is not None:
             raise ValueError(f"{type(cell).__name__} already counts tokens_per_expert; attach no probe to it")
         probe = TokensPerExpertProbe(cell, num_experts, topk, output_index)
-        handles.append(cell.register_forward_hook(probe))
+        # a bound method: MindSpore 2.7 accepts only functions and methods as hooks
+        handles.append(cell.register_forward_hook(probe.__call__))
         probes.append(probe)
     return TokensPerExpertProbes(probes, handles)

@@ -1,0 +1,117 @@
+"""Differences between the MindSpore versions mindmon supports, and mindnlp's changes to MindSpore.
+
+Every shim mindmon needs lives here, each with the reason it exists (docs/mindnlp.md):
+
+- MindSpore 2.7 has no CPU kernel for `mint.narrow` (NarrowExt) and `mint.split` (SplitTensor):
+  `narrow` and `split` fall back to `ops.narrow` and `ops.split`, which have one.
+- MindSpore 2.7 accepts only functions and bound methods as cell hooks (no callable objects).
+- `import mindnlp` (through its `mindtorch` package) replaces methods of `mindspore.Tensor` process-wide
+  with PyTorch-style ones: `max(axis=...)` returns (values, indices), `transpose` takes two axes, and
+  the arithmetic operators check a `device` tag that tensors made by MindSpore itself (the gradients of
+  `value_and_grad`, `ops.narrow`'s output) do not carry. `with_device_of` gives them the tag; the
+  max-logit probe uses MindSpore's functional ops only, which these patches do not touch.
+- mindnlp's modules list their children with `named_modules()` (MindSpore cells: `cells_and_names()`),
+  its parameters carry random names, its `Tensor.register_hook` fails on its own parameters and
+  `str(dtype)` becomes `mindspore.float32`: `named_cells`, `parameter_names`, `register_gradient_hook`
+  and `dtype_name` work either way.
+"""
+import sys
+from typing import Iterator, Tuple
+
+_has_cpu_kernel = {}
+
+
+def _mint_runs(name: str) -> bool:
+    """True when `mint.<name>` runs here (MindSpore 2.7 has no CPU kernel for mint.narrow and mint.split).
+    Tried once on a tiny tensor and read back, so that a launch failure, which is asynchronous without
+    `pynative_synchronize`, surfaces now and not at exit."""
+    if name not in _has_cpu_kernel:
+        import numpy as np
+        from mindspore import Tensor, mint
+
+        trial = Tensor(np.arange(4, dtype=np.float32))
+        try:
+            result = mint.narrow(trial, 0, 1, 2) if name == "narrow" else mint.split(trial, 2, dim=-1)[1]
+            _has_cpu_kernel[name] = bool(result.asnumpy()[0] in (1, 2))
+        except Exception:   # "Not found op ... on device CPU"
+            _has_cpu_kernel[name] = False
+    return _has_cpu_kernel[name]
+
+
+def narrow(tensor, dim: int, start: int, length: int):
+    """`length` entries of `dim` from `start` (mint.narrow, or ops.narrow where mint's has no kernel)."""
+    from mindspore import mint, ops
+
+    return (mint.narrow if _mint_runs("narrow") else ops.narrow)(tensor, dim, start, length)
+
+
+def split(tensor, size: int, dim: int = -1):
+    """Pieces of `size` along `dim` (mint.split, or ops.split where mint's has no kernel)."""
+    from mindspore import mint, ops
+
+    return mint.split(tensor, size, dim=dim) if _mint_runs("split") else ops.split(tensor, size, dim)
+
+
+def named_cells(model) -> Iterator[Tuple[str, object]]:
+    """(name, cell) for every cell of a MindSpore model or module of a mindnlp (PyTorch-style) model."""
+    if hasattr(model, "cells_and_names"):
+        return model.cells_and_names()
+    return model.named_modules()
+
+
+def module_parameters(cell):
+    """The parameters of a cell (MindSpore) or module (mindnlp), its children's included."""
+    if hasattr(cell, "get_parameters"):
+        return cell.get_parameters()
+    return cell.parameters()
+
+
+def parameter_names(model, parameters) -> list:
+    """The model's name of each parameter, in the order given (an optimizer's `parameters`). MindSpore
+    parameters carry their name; mindnlp's carry a random one, so the model's `named_parameters()` wins."""
+    if not hasattr(model, "cells_and_names") and hasattr(model, "named_parameters"):   # not a MindSpore Cell
+        by_id = {id(p): name for name, p in model.named_parameters()}
+        return [by_id.get(id(p), p.name) for p in parameters]
+    return [p.name for p in parameters]
+
+
+def with_device_of(tensors, references) -> tuple:
+    """With mindnlp loaded, the tensors MindSpore makes itself (the gradients and auxiliary outputs of
+    `value_and_grad`) lack the `device` tag mindnlp's Tensor methods require ("Tensor must have device"
+    at the first `+`). Each tensor without one gets the tag of its reference (its parameter), so that
+    mindmon's arithmetic and the user's optimizer both work on them. Without mindnlp: unchanged."""
+    tensors = tuple(tensors)
+    if "mindtorch" not in sys.modules:
+        return tensors
+    for tensor, reference in zip(tensors, references):
+        device = getattr(reference, "_device", None)
+        if device is not None and getattr(tensor, "_device", None) is None:
+            tensor._device = device
+    return tensors
+
+
+def register_gradient_hook(tensor, hook):
+    """`tensor.register_hook(hook)`: the hook receives the tensor's gradient. mindnlp replaces
+    `Tensor.register_hook` with one that fails on its own parameters (it reads a `_data` they do not
+    have), so with mindnlp loaded MindSpore's implementation is called directly."""
+    if "mindtorch" not in sys.modules:
+        return tensor.register_hook(hook)
+    from mindspore._c_expression import TensorPy
+    from mindspore.common.hook_handle import _TensorHookHandle
+
+    handle = _TensorHookHandle(tensor)
+    handle.id = TensorPy.register_hook(tensor, hook)
+    return handle
+
+
+def dtype_name(dtype) -> str:
+    """MindSpore's name of a dtype, `Float32` (what msprobe's CSV files hold). mindnlp makes `str()` of a
+    dtype its repr, `mindspore.float32`; that is turned back into the name."""
+    text = str(dtype)
+    if not text.startswith("mindspore."):
+        return text
+    name = text[len("mindspore."):].rstrip("_")
+    special = {"bfloat16": "BFloat16", "bool": "Bool"}
+    if name in special:
+        return special[name]
+    return "UInt" + name[4:] if name.startswith("uint") else name[:1].upper() + name[1:]

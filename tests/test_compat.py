@@ -1,0 +1,43 @@
+"""mindmon/compat.py on the MindSpore of this environment (2.9 in `make test`, 2.7 in `make test-ms27`):
+the supported-range check is silent, and `narrow`/`split` give numpy's slices whichever kernel runs."""
+import logging
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from mindmon import compat, extras
+
+pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
+
+
+def test_this_mindspore_is_in_the_supported_range_without_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(extras, "_version_checked", False)
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        assert extras.require_mindspore() is ms
+    assert ms.__version__.startswith(("2.7.", "2.9.")) and not caplog.records
+
+
+def test_narrow_and_split_equal_numpy_slices():
+    # MindSpore 2.7 has no CPU kernel for mint.narrow / mint.split: there the fallback is what runs
+    assert compat._mint_runs("narrow") == compat._mint_runs("split") == (not ms.__version__.startswith("2.7."))
+    values = np.arange(60, dtype=np.float32).reshape(6, 10)
+    tensor = ms.Tensor(values)
+    np.testing.assert_array_equal(compat.narrow(tensor, 0, 2, 3).asnumpy(), values[2:5])
+    np.testing.assert_array_equal(compat.narrow(tensor, 1, 4, 6).asnumpy(), values[:, 4:10])
+    pieces = compat.split(tensor, 4, dim=-1)
+    assert [p.shape for p in pieces] == [(6, 4), (6, 4), (6, 2)]
+    np.testing.assert_array_equal(np.concatenate([p.asnumpy() for p in pieces], -1), values)
+
+
+def test_a_cells_parameter_names_are_its_own():
+    dense = ms.nn.Dense(3, 2)
+    parameters = dense.trainable_params()
+    assert compat.parameter_names(dense, parameters) == [p.name for p in parameters] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("dtype, name", [(ms.float32, "Float32"), (ms.bfloat16, "BFloat16"), (ms.uint8, "UInt8"),
+                                         (ms.bool_, "Bool"), (ms.int64, "Int64")])
+def test_dtype_names_are_msprobes_whatever_str_gives(dtype, name):
+    assert compat.dtype_name(dtype) == name
+    assert compat.dtype_name(repr(dtype)) == name   # what str() gives once mindnlp is imported
