@@ -13,6 +13,8 @@ import pytest
 
 from conftest import read_jsonl
 
+pytestmark = pytest.mark.ms27   # the page runs on both ends of the supported MindSpore range
+
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "plain-loop.md"
 NOT_RUN = "<!-- not run"
 BLOCK = re.compile(r"(?P<before>[^\n]*)\n```python\n(?P<code>.*?)```", re.S)
