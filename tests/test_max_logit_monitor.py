@@ -59,7 +59,7 @@ def test_a_layer_that_ran_no_attention_is_left_out_and_non_finite_values_are_kep
     model = Tracking({"a": [-np.inf, -np.inf], "b": [np.nan, 2.0], "c": [np.inf, -np.inf]})
     records = MaxAttentionLogitMonitor(model).collect(step=1)
     by_kind = {(r.kind, r.name): r.value for r in records}
-    assert [r.name for r in records[:2]] == ["b", "c"]
+    assert [r.name for r in records[:2]] == ["b", "c"] and {r.rank for r in records} == {0}   # default rank 0
     assert math.isnan(by_kind[("max_attention_logit", "b")][0]) and by_kind[("max_attention_logit", "b")][1] == 2.0
     assert by_kind[("max_attention_logit", "c")] == [math.inf, -math.inf]
     assert math.isnan(by_kind[("max_attention_logit_mean", "all")])
@@ -80,9 +80,9 @@ def test_a_model_without_accessors_is_warned_about_once_and_collects_nothing(cap
 
     with caplog.at_level(logging.WARNING, logger="mindmon"):
         monitor = MaxAttentionLogitMonitor(Plain())
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("mindmon",
         "mindmon: MaxLogitsMonitor: Plain has no get_max_attention_logit()/reset_max_attention_logit(); "
-        "nothing will be logged (see mindmon.probes)"]
+        "nothing will be logged (see mindmon.probes)")]
     assert monitor.collect(step=1) == [] and monitor.collect(step=2) == []
 
 
@@ -101,12 +101,12 @@ class TwoRanks:
 
 
 def test_values_are_maxed_over_the_group_layer_by_layer():
-    model = Tracking({"a": [1.0, 5.0], "b": [2.0, -1.0, 0.5]})
-    group = TwoRanks([3.0, 4.0, 1.0, 0.0, 9.0])
+    model = Tracking({"a": [1.0, 5.0], "b": [2.0, -1.0, 0.5], "c": [-4.0]})
+    group = TwoRanks([3.0, 4.0, 1.0, 0.0, 9.0, -6.0])
     records = MaxAttentionLogitMonitor(model, data_parallel=group).collect(step=1)
-    np.testing.assert_array_equal(group.received[0], [1.0, 5.0, 2.0, -1.0, 0.5])   # one collective for all layers
-    assert [(r.name, r.value) for r in records[:2]] == [("a", [3.0, 5.0]), ("b", [2.0, 0.0, 9.0])]
-    assert records[3].value == 9.0
+    np.testing.assert_array_equal(group.received[0], [1.0, 5.0, 2.0, -1.0, 0.5, -4.0])   # one collective for all
+    assert [(r.name, r.value) for r in records[:3]] == [("a", [3.0, 5.0]), ("b", [2.0, 0.0, 9.0]), ("c", [-4.0])]
+    assert records[4].value == 9.0
     inactive = TwoRanks([9.0] * 5)
     inactive.active = False
     assert MaxAttentionLogitMonitor(Tracking({"a": [1.0, 5.0]}), data_parallel=inactive).collect(1)[0].value == [1.0, 5.0]

@@ -107,6 +107,7 @@ def test_output_index_none_reads_the_whole_output_and_detach_removes_everything(
     with pytest.raises(ValueError, match=r"^Identity already counts tokens_per_expert; attach no probe to it$"):
         attach_tokens_per_expert_probes(model, r"^0$", num_experts=EXPERTS, topk=1)
     probes.detach()
+    probes.detach()   # a second detach finds nothing left to remove, and says nothing
     assert getattr(model[0], "tokens_per_expert", None) is None
     model[0](ms.Tensor(scores))   # the hook is gone: nothing is counted again
     assert getattr(model[0], "tokens_per_expert", None) is None
