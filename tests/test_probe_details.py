@@ -89,6 +89,8 @@ def test_tuple_output_and_3d_scores_count_like_numpy_and_accumulate():
 def test_topk_bounds_and_a_topk_of_every_expert():
     with pytest.raises(ValueError, match=r"^topk: got 0; allowed: 1..num_experts \(5\)$"):
         attach_tokens_per_expert_probes(RoutedModel(), r"^decoder\.\d$", num_experts=EXPERTS, topk=0)
+    with pytest.raises(ValueError, match=r"^attach_tokens_per_expert_probes: the pattern 'gate\$' matches no cell"):
+        attach_tokens_per_expert_probes(RoutedModel(), r"gate$", num_experts=EXPERTS, topk=1)
     with pytest.raises(ValueError, match=r"^topk: got 6; allowed"):
         attach_tokens_per_expert_probes(RoutedModel(), r"^decoder\.\d$", num_experts=EXPERTS, topk=6)
     model = RoutedModel()
