@@ -23,10 +23,10 @@ tests_for() {
     mindmon/stats.py) echo "tests/test_stats.py tests/test_train_state_values.py tests/test_plain_loop.py" ;;
     mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py" ;;
     mindmon/monitors/train_state.py) echo "tests/test_train_state_values.py" ;;
-    mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens.py" ;;
-    mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logits.py" ;;
+    mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens.py tests/test_probes.py" ;;
+    mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
     mindmon/distributed.py) echo "tests/test_multi_rank.py" ;;
-    mindmon/probes/*) echo "tests/test_probes.py" ;;
+    mindmon/probes/*) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
   esac
 }
@@ -49,6 +49,20 @@ done
 rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
 cp -r mindmon tests configs setup.cfg "$SCRATCH/"
 find "$SCRATCH" -name __pycache__ -prune -exec rm -rf {} +
+# MINDMON_AUTOLOAD=0 (below) keeps the installed mindmon out at interpreter start; the tests that train
+# with the MindFormers Trainer need the (mutated) copy attached instead, from the scratch conftest.
+cat >> "$SCRATCH/tests/conftest.py" <<'CONFTEST'
+
+
+def _attach_the_mutated_mindmon():
+    from mindmon.integrations import autoload
+    os.environ.pop("MINDMON_AUTOLOAD", None)
+    autoload.install()
+    os.environ["MINDMON_AUTOLOAD"] = "0"
+
+
+_attach_the_mutated_mindmon()
+CONFTEST
 {
   printf '\n[mutmut]\nsource_paths = mindmon\nonly_mutate =\n'
   printf '    %s\n' "${modules[@]}"
