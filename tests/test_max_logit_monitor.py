@@ -11,6 +11,8 @@ import pytest
 from mindmon.monitors.max_attention_logit import MaxAttentionLogitMonitor
 from mindmon.records import Record
 
+pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9
+
 
 class Tracking:
     """A model's side of the contract: a running max per layer name and the two accessors."""
