@@ -40,11 +40,21 @@ def page_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model_block():
-    """The page's first block (the model and the data) run here: its initial weights and batch."""
-    namespace = {}
-    exec(compile(page_blocks()[0], str(PAGE), "exec"), namespace)   # noqa: S102 (the repository's own page)
-    return namespace
+def model_block(tmp_path_factory):
+    """The page's first block (the model and the data), run in a fresh process as the user runs it (it
+    sets the device, which a process that already ran MindSpore cannot): its initial weights and batch."""
+    folder = tmp_path_factory.mktemp("plain_loop_model")
+    dump = (f"\nnp.savez({str(folder / 'initial.npz')!r}, tokens=tokens.asnumpy(), labels=labels.asnumpy(), "
+            "heads=HEADS, **{'weight_' + p.name: p.asnumpy() for p in net.trainable_params()})\n")
+    (folder / "model.py").write_text(page_blocks()[0] + dump, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "LOG_MF_PATH"}
+    result = subprocess.run([sys.executable, "model.py"], cwd=folder, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with np.load(folder / "initial.npz") as saved:
+        return {"weights": {k[len("weight_"):]: saved[k].astype(np.float64) for k in saved.files
+                            if k.startswith("weight_")},
+                "tokens": saved["tokens"], "labels": saved["labels"], "heads": int(saved["heads"])}
 
 
 def numpy_forward(weights, tokens, labels, heads):
@@ -71,9 +81,8 @@ def numpy_forward(weights, tokens, labels, heads):
 def step_one_reference(namespace, micro_steps):
     """Step 1 from the initial weights: the micro-batch losses, the per-head max logit over the step,
     and the gradient of mean_k(loss_k) per parameter (central differences, float64)."""
-    weights = {p.name: p.asnumpy().astype(np.float64) for p in namespace["net"].trainable_params()}
-    tokens, labels = namespace["tokens"].asnumpy(), namespace["labels"].asnumpy()
-    heads, size = namespace["HEADS"], len(tokens) // micro_steps
+    weights, tokens, labels = namespace["weights"], namespace["tokens"], namespace["labels"]
+    heads, size = namespace["heads"], len(tokens) // micro_steps
     pieces = [(tokens[i * size:(i + 1) * size], labels[i * size:(i + 1) * size]) for i in range(micro_steps)]
 
     def step_loss(w):
