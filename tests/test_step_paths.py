@@ -1,0 +1,123 @@
+"""The train step's data-parallel arithmetic, in one process: the data-parallel mean of the gradients
+and of the loss, the norm and clipping of that mean, the monitors' cross-rank sums packed into the
+same collective and handed back in order.
+
+The collective is played by `OtherRankGaveZeros`, a `DataParallel` of two ranks whose other rank
+contributed zeros (its gradients, its loss, its monitors' tensors): the sum over the ranks is this
+rank's tensor, the mean half of it. That makes every value predictable from the float64 replay of
+one rank, and different from what one rank would write (the two-rank msrun test runs the real
+all-reduce). Values are checked against the replay in tests/test_train_state_values.py.
+"""
+import numpy as np
+import pytest
+from mindspore import Tensor, nn
+
+from conftest import read_jsonl
+from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
+from mindmon.distributed import DataParallel
+from mindmon.engine import Monitor
+from mindmon.group import MonitorGroup
+from test_train_state_values import (K, LR, NAMES, TwoLayer, _batches, _initial_weights, assert_records_match,
+                                     expected_records, replay)
+
+EVERYTHING = {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True}
+PROBE_VALUES = (np.array([1.0, 2.0, 3.0], np.float32), np.array([[-4.0, 0.5]], np.float32))
+
+
+class OtherRankGaveZeros(DataParallel):
+    """Two ranks; the other one's tensors are all zero, so each sum is this rank's tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.size, self.rank = 2, 0
+        self.payload_lengths = []
+
+    def sum(self, tensors):
+        self.payload_lengths.append(len(tensors))
+        return [t.copy() for t in tensors]
+
+    def max(self, values):
+        return np.maximum(values, 0.0)
+
+
+class CrossRankProbe(Monitor):
+    """Asks for two tensors to be summed over the ranks; keeps what comes back."""
+
+    def __init__(self):
+        self.received = []
+
+    def cross_rank_shapes(self):
+        return [v.shape for v in PROBE_VALUES]
+
+    def cross_rank_sums(self):
+        return [Tensor(v) for v in PROBE_VALUES]
+
+    def receive_cross_rank_sums(self, sums):
+        self.received.append([s.asnumpy() for s in sums])
+
+    def collect(self, step):
+        return []
+
+
+def one_two_rank_step(tmp_path, max_norm, on_host):
+    """One step on rank 0 of two; returns (records, mean loss, grad norm, net, probe, data_parallel)."""
+    data_parallel, probe = OtherRankGaveZeros(), CrossRankProbe()
+    net = TwoLayer(_initial_weights())
+    optimizer = nn.SGD(net.params, learning_rate=LR)
+    config = parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": EVERYTHING}})
+    built = build_group(config, parameter_names=list(NAMES), on_host=on_host, data_parallel=data_parallel)
+    group = MonitorGroup(built.monitors + [probe], built.sinks, rank=0)
+    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=K, group=group, max_norm=max_norm,
+                                       on_host=on_host, data_parallel=data_parallel)
+    group.setup(max_steps=1)
+    x, y = _batches()
+    loss, grad_norm = train_step(split_batch((Tensor(x[0]), Tensor(y[0])), K))
+    group.flush(1)
+    group.close()
+    records = {(r["kind"], r["step"], r["micro_step"], r["name"]): r["value"]
+               for r in read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")}
+    return records, float(loss.asnumpy()), grad_norm, net, probe, data_parallel
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "device"])
+@pytest.mark.parametrize("clipped", [False, True], ids=["below_max_norm", "above_max_norm"])
+def test_two_ranks_apply_write_and_return_the_data_parallel_mean(tmp_path, on_host, clipped):
+    one_rank = replay(max_norm=0.0)[1]
+    accumulated = {n: (_initial_weights()[n] - one_rank["weights"][n]) / LR for n in NAMES}   # this rank's
+    mean_norm = one_rank["grad_norm"] / 2.0
+    max_norm = mean_norm * (0.5 if clipped else 1.5)
+    records, loss, grad_norm, net, probe, data_parallel = one_two_rank_step(tmp_path, max_norm, on_host)
+
+    # local values are this rank's; device values and the returned ones are the mean over both ranks
+    mean = dict(one_rank, device_loss=one_rank["device_loss"] / 2.0,
+                device_norm={n: one_rank["device_norm"][n] / 2.0 for n in NAMES})
+    assert_records_match(records, expected_records(EVERYTHING, {1: mean}))
+    assert loss == pytest.approx(one_rank["device_loss"] / 2.0, rel=1e-5)
+    assert grad_norm == pytest.approx(mean_norm, rel=1e-5)
+    scale = 0.5 if clipped else 1.0
+    for param in net.params:
+        expected = _initial_weights()[param.name] - LR * scale * accumulated[param.name] / 2.0
+        np.testing.assert_allclose(param.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    # one collective: 4 gradients, the loss, the probe's 2 tensors; the probe gets its own back
+    assert data_parallel.payload_lengths == [len(NAMES) + 1 + len(PROBE_VALUES)]
+    assert len(probe.received) == 1
+    for got, sent in zip(probe.received[0], PROBE_VALUES, strict=True):
+        np.testing.assert_array_equal(got, sent)
+
+
+def test_two_ranks_without_monitoring_reduce_only_the_gradients_and_the_loss():
+    """No group: the collective carries the 4 gradients and the loss, nothing else."""
+    one_rank = replay(max_norm=0.0)[1]
+    data_parallel = OtherRankGaveZeros()
+    net = TwoLayer(_initial_weights())
+    train_step = AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=K,
+                                       max_norm=0.0, data_parallel=data_parallel)
+    x, y = _batches()
+    loss, grad_norm = train_step(split_batch((Tensor(x[0]), Tensor(y[0])), K))
+    assert data_parallel.payload_lengths == [len(NAMES) + 1]
+    assert float(loss.asnumpy()) == pytest.approx(one_rank["device_loss"] / 2.0, rel=1e-5)
+    assert grad_norm == pytest.approx(one_rank["grad_norm"] / 2.0, rel=1e-5)
+    for param in net.params:   # half of this rank's step: the other rank's gradient is zero
+        start = _initial_weights()[param.name]
+        np.testing.assert_allclose(param.asnumpy(), (start + one_rank["weights"][param.name]) / 2.0,
+                                   rtol=1e-5, atol=1e-6)
