@@ -121,3 +121,32 @@ def test_two_ranks_without_monitoring_reduce_only_the_gradients_and_the_loss():
         start = _initial_weights()[param.name]
         np.testing.assert_allclose(param.asnumpy(), (start + one_rank["weights"][param.name]) / 2.0,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_split_batch_cuts_every_column_into_equal_consecutive_pieces(as_dict):
+    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    y = np.arange(6, dtype=np.int32) * 10
+    batch = {"x": Tensor(x), "y": Tensor(y)} if as_dict else (Tensor(x), Tensor(y))
+    for num_micro_steps in (2, 3):
+        pieces, size = split_batch(batch, num_micro_steps), 6 // num_micro_steps
+        assert len(pieces) == num_micro_steps
+        for k, piece in enumerate(pieces):
+            columns = (piece["x"], piece["y"]) if as_dict else piece
+            assert isinstance(piece, dict if as_dict else tuple)
+            np.testing.assert_array_equal(columns[0].asnumpy(), x[k * size:(k + 1) * size])
+            np.testing.assert_array_equal(columns[1].asnumpy(), y[k * size:(k + 1) * size])
+    whole = split_batch(batch, 1)
+    assert len(whole) == 1
+    np.testing.assert_array_equal((whole[0]["x"] if as_dict else whole[0][0]).asnumpy(), x)
+
+
+@pytest.mark.parametrize("leading_sizes, num_micro_steps", [((6, 4), 2), ((6, 6), 4)],
+                         ids=["sizes_differ", "not_divisible"])
+def test_split_batch_refuses_what_it_cannot_cut_evenly(leading_sizes, num_micro_steps):
+    batch = tuple(Tensor(np.zeros((n, 2), np.float32)) for n in leading_sizes)
+    with pytest.raises(ValueError) as error:
+        split_batch(batch, num_micro_steps)
+    assert str(error.value) == (
+        f"cannot cut a batch with leading sizes {sorted(set(leading_sizes))} into {num_micro_steps} equal "
+        f"micro-batches; the dataset must yield global_batch_size / data_parallel samples per step")
