@@ -17,8 +17,8 @@ from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_ba
 from mindmon.distributed import DataParallel
 from mindmon.engine import Monitor
 from mindmon.group import MonitorGroup
-from test_train_state_values import (K, LR, NAMES, TwoLayer, _batches, _initial_weights, assert_records_match,
-                                     expected_records, replay)
+from test_train_state_values import (K, LR, NAMES, TwoLayer, _batches, _initial_weights, _loss_and_grads,
+                                     assert_records_match, expected_records, replay)
 
 EVERYTHING = {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True}
 PROBE_VALUES = (np.array([1.0, 2.0, 3.0], np.float32), np.array([[-4.0, 0.5]], np.float32))
@@ -150,3 +150,49 @@ def test_split_batch_refuses_what_it_cannot_cut_evenly(leading_sizes, num_micro_
     assert str(error.value) == (
         f"cannot cut a batch with leading sizes {sorted(set(leading_sizes))} into {num_micro_steps} equal "
         f"micro-batches; the dataset must yield global_batch_size / data_parallel samples per step")
+
+
+class _ParametersMethod:
+    """torch.optim style: `parameters` would be a method, not the sequence the step differentiates by."""
+
+    def parameters(self):
+        return []
+
+    def __call__(self, gradients):
+        pass
+
+
+class _NotCallable:
+    """Has the parameters but cannot be applied with `optimizer(gradients)`."""
+
+    def __init__(self, parameters):
+        self.parameters = parameters
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda params: _ParametersMethod(), lambda params: _NotCallable(params)],
+                         ids=["parameters_is_a_method", "not_callable"])
+def test_an_optimizer_the_step_cannot_use_is_refused_with_the_whole_message(make_optimizer):
+    net = TwoLayer(_initial_weights())
+    optimizer = make_optimizer(net.params)
+    with pytest.raises(TypeError) as error:
+        AccumulatingTrainStep(net, optimizer, num_micro_steps=2)
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    assert str(error.value) == (
+        f"optimizer: got {kind}, which has no `.parameters` sequence or cannot be called with the gradients; "
+        f"allowed: a MindSpore optimizer (mindspore.nn.Optimizer, e.g. nn.AdamWeightDecay(net.trainable_params())); "
+        f"torch-style optimizers (param_groups, step()) are not supported")
+
+
+def test_num_micro_steps_below_one_is_refused_and_one_is_a_plain_step():
+    net = TwoLayer(_initial_weights())
+    optimizer = nn.SGD(net.params, learning_rate=LR)
+    with pytest.raises(ValueError) as error:
+        AccumulatingTrainStep(net, optimizer, num_micro_steps=0)
+    assert str(error.value) == "num_micro_steps: got 0; allowed: a positive int"
+    x, y = _batches()
+    loss, grad_norm = AccumulatingTrainStep(net, optimizer, num_micro_steps=1, max_norm=0.0)(
+        split_batch((Tensor(x[0]), Tensor(y[0])), 1))
+    expected_loss, grads = _loss_and_grads({n: w.astype(np.float64) for n, w in _initial_weights().items()},
+                                           x[0], y[0])
+    assert float(loss.asnumpy()) == pytest.approx(expected_loss, rel=1e-5)
+    assert grad_norm == pytest.approx(np.sqrt(sum(np.sum(g ** 2) for g in grads.values())), rel=1e-5)
