@@ -196,3 +196,34 @@ def test_num_micro_steps_below_one_is_refused_and_one_is_a_plain_step():
                                            x[0], y[0])
     assert float(loss.asnumpy()) == pytest.approx(expected_loss, rel=1e-5)
     assert grad_norm == pytest.approx(np.sqrt(sum(np.sum(g ** 2) for g in grads.values())), rel=1e-5)
+
+
+class KeyLog(Monitor):
+    """Logs every key the step records, with its micro_step, in order (the MoE token monitor relies on
+    the step-begin and micro-step-end keys)."""
+
+    KEYS = ("moe_tpe_step_begin", "moe_tpe", "local_loss", "local_norm", "device_loss", "device_norm")
+
+    def __init__(self):
+        self.keys = []
+
+    def reset(self):
+        self.keys.append(("reset", None))
+
+    def record(self, key, value=None, context=None):
+        self.keys.append((key, (context or {}).get("micro_step")))
+
+    def collect(self, step):
+        return []
+
+
+def test_the_step_records_its_keys_in_order_to_an_active_group():
+    log = KeyLog()
+    net = TwoLayer(_initial_weights())
+    train_step = AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=2,
+                                       group=MonitorGroup([log]))
+    x, y = _batches()
+    train_step(split_batch((Tensor(x[0]), Tensor(y[0])), 2))
+    per_micro_step = [[("local_loss", k), ("local_norm", k), ("moe_tpe", k)] for k in range(2)]
+    assert log.keys == ([("reset", None), ("moe_tpe_step_begin", None)] + per_micro_step[0] + per_micro_step[1]
+                        + [("device_loss", None), ("device_norm", None)])
