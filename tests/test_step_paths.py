@@ -227,3 +227,27 @@ def test_the_step_records_its_keys_in_order_to_an_active_group():
     per_micro_step = [[("local_loss", k), ("local_norm", k), ("moe_tpe", k)] for k in range(2)]
     assert log.keys == ([("reset", None), ("moe_tpe_step_begin", None)] + per_micro_step[0] + per_micro_step[1]
                         + [("device_loss", None), ("device_norm", None)])
+
+
+class SkipEveryUpdate:
+    """An action that asks to skip every update, logging the norms it was asked about."""
+
+    def __init__(self):
+        self.asked = []
+
+    def should_skip_update(self, grad_norm):
+        self.asked.append(grad_norm)
+        return True
+
+
+def test_an_update_an_action_skips_leaves_the_parameters_and_is_asked_with_the_norm():
+    actions = SkipEveryUpdate()
+    net = TwoLayer(_initial_weights())
+    train_step = AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=K,
+                                       group=MonitorGroup([KeyLog()], actions=actions), max_norm=0.0)
+    x, y = _batches()
+    _, grad_norm = train_step(split_batch((Tensor(x[0]), Tensor(y[0])), K))
+    assert actions.asked == [grad_norm]
+    assert grad_norm == pytest.approx(replay(max_norm=0.0)[1]["grad_norm"], rel=1e-5)
+    for param in net.params:
+        np.testing.assert_array_equal(param.asnumpy(), _initial_weights()[param.name])
