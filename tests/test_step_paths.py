@@ -251,3 +251,43 @@ def test_an_update_an_action_skips_leaves_the_parameters_and_is_asked_with_the_n
     assert grad_norm == pytest.approx(replay(max_norm=0.0)[1]["grad_norm"], rel=1e-5)
     for param in net.params:
         np.testing.assert_array_equal(param.asnumpy(), _initial_weights()[param.name])
+
+
+class SnapshotLog(Monitor):
+    """Copies what each micro-step's gradient snapshot holds when it is recorded (the host buffer's
+    views change with the next micro-step)."""
+
+    KEYS = ("local_norm",)
+
+    def __init__(self):
+        self.micro, self.accumulated = [], []
+
+    def record(self, key, value=None, context=None):
+        def copied(tensors):
+            return [np.array(t if isinstance(t, np.ndarray) else t.asnumpy(), np.float64).reshape(-1)
+                    for t in tensors]
+        self.micro.append(copied(value.micro))
+        self.accumulated.append(copied(value.accumulated))
+
+    def collect(self, step):
+        return []
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "device"])
+def test_each_snapshot_holds_the_micro_batch_gradient_and_the_running_sum(on_host):
+    """The snapshot's contract for every monitor that reads it: grad(loss_k / K) and its sum up to k."""
+    log = SnapshotLog()
+    net = TwoLayer(_initial_weights())
+    train_step = AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=K,
+                                       group=MonitorGroup([log]), on_host=on_host)
+    x, y = _batches()
+    train_step(split_batch((Tensor(x[0]), Tensor(y[0])), K))
+    weights = {n: w.astype(np.float64) for n, w in _initial_weights().items()}
+    size, running = x.shape[1] // K, {n: 0.0 for n in NAMES}
+    assert len(log.micro) == len(log.accumulated) == K
+    for k in range(K):
+        _, grads = _loss_and_grads(weights, x[0, k * size:(k + 1) * size], y[0, k * size:(k + 1) * size])
+        for i, name in enumerate(NAMES):
+            running[name] = running[name] + grads[name] / K
+            np.testing.assert_allclose(log.micro[k][i], (grads[name] / K).reshape(-1), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(log.accumulated[k][i], running[name].reshape(-1), rtol=1e-5, atol=1e-6)
