@@ -291,3 +291,16 @@ def test_each_snapshot_holds_the_micro_batch_gradient_and_the_running_sum(on_hos
             running[name] = running[name] + grads[name] / K
             np.testing.assert_allclose(log.micro[k][i], (grads[name] / K).reshape(-1), rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(log.accumulated[k][i], running[name].reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_max_norm_is_one():
+    """A loss scaled by 100 has a global norm far above 1: the update is exactly LR * 1.0 long."""
+    net = TwoLayer(_initial_weights())
+    train_step = AccumulatingTrainStep(lambda x, y: net(x, y) * 100.0, nn.SGD(net.params, learning_rate=LR),
+                                       num_micro_steps=K)
+    x, y = _batches()
+    _, grad_norm = train_step(split_batch((Tensor(x[0]), Tensor(y[0])), K))
+    assert grad_norm == pytest.approx(100.0 * replay(max_norm=0.0)[1]["grad_norm"], rel=1e-5)
+    assert grad_norm > 10.0
+    moved = [param.asnumpy().astype(np.float64) - _initial_weights()[param.name] for param in net.params]
+    assert np.sqrt(sum(np.sum(m ** 2) for m in moved)) == pytest.approx(LR * 1.0, rel=1e-5)
