@@ -304,3 +304,13 @@ def test_the_default_max_norm_is_one():
     assert grad_norm > 10.0
     moved = [param.asnumpy().astype(np.float64) - _initial_weights()[param.name] for param in net.params]
     assert np.sqrt(sum(np.sum(m ** 2) for m in moved)) == pytest.approx(LR * 1.0, rel=1e-5)
+
+
+def test_a_max_norm_that_is_not_a_finite_non_negative_number_is_refused_by_its_argument_name():
+    from mindmon.config import ConfigError
+
+    net = TwoLayer(_initial_weights())
+    with pytest.raises(ConfigError) as error:
+        AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=K, max_norm=float("nan"))
+    assert str(error.value) == ("max_norm: got nan (float); allowed: a finite number > 0 (clip the global "
+                                "gradient norm to it) or 0 (no clipping)")
