@@ -260,9 +260,10 @@ class SnapshotLog(Monitor):
     KEYS = ("local_norm",)
 
     def __init__(self):
-        self.micro, self.accumulated = [], []
+        self.micro, self.accumulated, self.kinds = [], [], set()
 
     def record(self, key, value=None, context=None):
+        self.kinds |= {type(t) for t in list(value.micro) + list(value.accumulated)}
         def copied(tensors):
             return [np.array(t if isinstance(t, np.ndarray) else t.asnumpy(), np.float64).reshape(-1)
                     for t in tensors]
@@ -273,15 +274,17 @@ class SnapshotLog(Monitor):
         return []
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["host", "device"])
+@pytest.mark.parametrize("on_host", [True, False, None], ids=["host", "device", "default"])
 def test_each_snapshot_holds_the_micro_batch_gradient_and_the_running_sum(on_host):
-    """The snapshot's contract for every monitor that reads it: grad(loss_k / K) and its sum up to k."""
+    """The snapshot's contract for every monitor that reads it: grad(loss_k / K) and its sum up to k,
+    as views of the numpy host buffer on the host path (the default on CPU), else as MindSpore tensors."""
     log = SnapshotLog()
     net = TwoLayer(_initial_weights())
     train_step = AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=K,
                                        group=MonitorGroup([log]), on_host=on_host)
     x, y = _batches()
     train_step(split_batch((Tensor(x[0]), Tensor(y[0])), K))
+    assert log.kinds == ({Tensor} if on_host is False else {np.ndarray})
     weights = {n: w.astype(np.float64) for n, w in _initial_weights().items()}
     size, running = x.shape[1] // K, {n: 0.0 for n in NAMES}
     assert len(log.micro) == len(log.accumulated) == K
