@@ -21,7 +21,7 @@ SCRATCH="${MUTATION_DIR:-/tmp/mindmon-mutation}"
 tests_for() {
   case "$1" in
     mindmon/stats.py) echo "tests/test_stats.py tests/test_train_state_values.py tests/test_plain_loop.py" ;;
-    mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py" ;;
+    mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_values.py tests/test_stats.py tests/test_step_paths.py" ;;
     mindmon/monitors/train_state.py) echo "tests/test_train_state_values.py" ;;
     mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens.py tests/test_probes.py" ;;
     mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
