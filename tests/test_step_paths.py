@@ -20,6 +20,8 @@ from mindmon.group import MonitorGroup
 from test_train_state_values import (K, LR, NAMES, TwoLayer, _batches, _initial_weights, _loss_and_grads,
                                      assert_records_match, expected_records, replay)
 
+pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9
+
 EVERYTHING = {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True}
 PROBE_VALUES = (np.array([1.0, 2.0, 3.0], np.float32), np.array([[-4.0, 0.5]], np.float32))
 
