@@ -66,15 +66,6 @@ def module_parameters(cell):
     return cell.parameters()
 
 
-def parameter_names(model, parameters) -> list:
-    """The model's name of each parameter, in the order given (an optimizer's `parameters`). MindSpore
-    parameters carry their name; mindnlp's carry a random one, so the model's `named_parameters()` wins."""
-    if not hasattr(model, "cells_and_names") and hasattr(model, "named_parameters"):   # not a MindSpore Cell
-        by_id = {id(p): name for name, p in model.named_parameters()}
-        return [by_id.get(id(p), p.name) for p in parameters]
-    return [p.name for p in parameters]
-
-
 def with_device_of(tensors, references) -> tuple:
     """With mindnlp loaded, the tensors MindSpore makes itself (the gradients and auxiliary outputs of
     `value_and_grad`) lack the `device` tag mindnlp's Tensor methods require ("Tensor must have device"

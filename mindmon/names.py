@@ -8,7 +8,7 @@ ids as `name`, and only the model's traversal knows `model.layers.0.self_attn.q_
 Example:
     group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer))
 """
-from typing import List
+from typing import List, Sequence
 
 
 def _named_parameters(model):
@@ -22,7 +22,12 @@ def _named_parameters(model):
 def parameter_names(model, optimizer) -> List[str]:
     """The name the model gives each of `optimizer.parameters`, in that order. A parameter the model
     does not hold (an optimizer built over more than the model) keeps its `Parameter.name`."""
+    return names_in_model(model, optimizer.parameters)
+
+
+def names_in_model(model, parameters: Sequence) -> List[str]:
+    """The name the model gives each of `parameters`, in their order (see `parameter_names`)."""
     by_identity = {}
     for name, parameter in _named_parameters(model):
         by_identity.setdefault(id(parameter), name)   # a shared (tied) parameter keeps its first name
-    return [by_identity.get(id(parameter), parameter.name) for parameter in optimizer.parameters]
+    return [by_identity.get(id(parameter), parameter.name) for parameter in parameters]

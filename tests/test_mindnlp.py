@@ -121,7 +121,7 @@ def train(qwen2, tmp_path, monkeypatch):
     import mindspore as ms
 
     from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
-    from mindmon.compat import parameter_names
+    from mindmon import parameter_names
     from mindmon.msprobe import TrainerMon
     from mindmon.probes import track_attention_function
 
@@ -137,7 +137,7 @@ def train(qwen2, tmp_path, monkeypatch):
         "monitor": {"output_dir": str(tmp_path / "monitor"), "train_state": {
             "local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True}},
         "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}]}),
-        model=model, parameter_names=parameter_names(model, optimizer.parameters))
+        model=model, parameter_names=parameter_names(model, optimizer))
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "msprobe"))
     (tmp_path / "config.json").write_text(json.dumps({
         "targets": {}, "param_distribution": True, "wg_distribution": True, "format": "csv",

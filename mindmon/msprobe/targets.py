@@ -5,7 +5,8 @@ Both are resolved once, when the monitor is attached, never per step.
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..compat import module_parameters, named_cells, parameter_names
+from ..compat import module_parameters, named_cells
+from ..names import names_in_model
 from ..config import ConfigError
 
 # Attribute pairs (first moment, second moment) of the optimizers that keep Adam state, each a
@@ -49,7 +50,7 @@ def select_parameters(model, parameters: Sequence, targets: Tuple[str, ...], squ
     ending at a dot). No targets = every parameter. A target that selects nothing is a ConfigError."""
     chosen = {}
     cell_parameters = _cell_parameters(model, targets)
-    names = parameter_names(model, parameters)   # mindnlp's parameters carry random names
+    names = names_in_model(model, parameters)   # mindnlp's parameters carry random names
     for target in targets:
         found = [i for i, name in enumerate(names)
                  if _matches(name, target) or (squash and _matches(squash_name(name), target))
