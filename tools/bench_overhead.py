@@ -262,8 +262,16 @@ class HookTimer:
     def __init__(self):
         self.in_step = self.at_end = 0.0
 
-    def wrap(self, function, during_step: bool):
+    def wrap(self, function, during_step: bool, drain_queue: bool = False):
+        """`drain_queue`: first wait, untimed, for the kernels MindSpore has queued. Even with
+        `pynative_synchronize` the optimizer's update is launched without waiting for it, and a host
+        read of any tensor waits for everything queued: timed, the post-hook's first read of a parameter
+        would count the optimizer's compute (about 75 ms here), which the unmonitored step does too."""
+        from mindspore import runtime
+
         def timed(*args, **kwargs):
+            if drain_queue:
+                runtime.synchronize()
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
@@ -280,7 +288,7 @@ class HookTimer:
         make_hook = monitor._gradient_hook
         monitor._gradient_hook = lambda index, name: self.wrap(make_hook(index, name), True)
         monitor._before_update = self.wrap(monitor._before_update, True)
-        monitor._after_update = self.wrap(monitor._after_update, False)
+        monitor._after_update = self.wrap(monitor._after_update, False, drain_queue=True)
 
     def instrument_cells(self) -> None:
         """The cell hooks of activation monitoring are made by ActivationHooks when TrainerMon attaches;
