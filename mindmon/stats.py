@@ -29,14 +29,17 @@ _BLOCK = 1 << 16
 _SMALL = 1 << 12
 
 
-def _host_array(tensor, direct: bool = False) -> np.ndarray:
+def _host_array(tensor, direct: bool = False, dtype: Optional[str] = None) -> np.ndarray:
     """The tensor's memory as a flat numpy array: a view on CPU (bfloat16 goes through a float32 copy,
     numpy has no bfloat16). A numpy array (a view the training step already holds) is taken as it is.
-    `direct` (see `direct_views_allowed`): build the view from the data pointer where that is safe."""
+    `direct` (see `direct_views_allowed`): build the view from the data pointer where that is safe.
+    `dtype`: the tensor's dtype name (`dtype_name`), when the caller has read it already."""
     if isinstance(tensor, np.ndarray):
         return tensor.reshape(-1)
     if direct:   # one dtype read: MindSpore's dtype comparisons cost microseconds each
-        view = _direct_view(tensor, str(tensor.dtype))
+        from .compat import dtype_name
+
+        view = _direct_view(tensor, dtype or dtype_name(tensor.dtype))
         if view is not None:
             return view
     import mindspore as ms

@@ -52,7 +52,8 @@ def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool =
     if flat.dtype == np.float32 and flat.size > _SMALL:
         return _blocked_stats(flat, ops, eps)
     size = flat.size
-    total = float(np.sum(flat, dtype=np.float64)) if size and ("mean" in ops or "nans" in ops) else 0.0
+    # ufunc reductions called directly: np.sum/np.min's argument handling costs more than a small array
+    total = float(np.add.reduce(flat, dtype=np.float64)) if size and ("mean" in ops or "nans" in ops) else 0.0
     out = []
     for op in ops:
         if op == "nans":
@@ -67,9 +68,9 @@ def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool =
         elif not size:
             out.append(float("nan"))
         elif op == "min":
-            out.append(float(np.min(flat)))  # numpy's min/max propagate NaN
+            out.append(float(np.minimum.reduce(flat)))  # propagates NaN, as np.min does
         elif op == "max":
-            out.append(float(np.max(flat)))
+            out.append(float(np.maximum.reduce(flat)))
         elif op == "mean":
             out.append(total / size)
     return out
@@ -189,8 +190,8 @@ class TensorStats:
                 from ..stats import direct_views_allowed
 
                 self._direct = direct_views_allowed()
-            values = np.array([numpy_stats(_host_array(t, self._direct), self.ops, self.eps, not shape)
-                               for (_, t), (shape, _) in zip(named_tensors, layouts)], dtype=np.float64)
+            values = np.array([numpy_stats(_host_array(t, self._direct, dtype), self.ops, self.eps, not shape)
+                               for (_, t), (shape, dtype) in zip(named_tensors, layouts)], dtype=np.float64)
         else:
             from mindspore import ops as msops
 
