@@ -38,14 +38,18 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     assert [row["config"] for row in data["scaling"][0]["rows"]] == ["off", "train_state"]
     assert data["settings"]["pynative_synchronize"] is True
     assert "host_sync_ref / train_state: added wall time" in result.stdout
+    apart = data["main"]["norms_in_add"]   # the add of the K captured micro-batches, with and without norms
+    assert apart["repeats"] == 7 and apart["add_ms"] > 0 and apart["add_with_norms_ms"] > 0
+    assert "train_state's add measured apart" in result.stdout
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
-    # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step) has
-    # a local_norm per parameter tensor per micro-step, in its own metrics file.
+    # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for
+    # train_state the step whose adds are measured apart) has a local_norm per parameter tensor per
+    # micro-step, in its own metrics file.
     tensors = data["main"]["size"]["parameter_tensors"]
-    for config in ("train_state", "+moe+max_logits", "host_sync_ref"):
+    for config, steps in (("train_state", 5), ("+moe+max_logits", 4), ("host_sync_ref", 4)):
         records = read_jsonl(tmp_path / "monitor" / config / "rank_0" / "metrics.jsonl")
-        assert sum(r["kind"] == "local_norm" for r in records) == 4 * K * tensors
+        assert sum(r["kind"] == "local_norm" for r in records) == steps * K * tensors
     moe = read_jsonl(tmp_path / "monitor" / "+moe+max_logits" / "rank_0" / "metrics.jsonl")
     assert {r["kind"] for r in moe} >= {"tokens_per_expert", "max_attention_logit"}
     # tensor_stats: msprobe's CSVs of every point, one row per parameter tensor per step.

@@ -510,18 +510,50 @@ def _main_configs(work: Workload, out_dir: Path, only: Optional[List[str]] = Non
     return [make() for name, make in makers.items() if name in wanted]
 
 
+def measure_norms_in_add(config: Configuration, repeats: int = 7) -> Optional[dict]:
+    """train_state's `add` measured apart: the CPU gradient buffer's add of one step's K micro-batch
+    gradients (captured from a step of `config`) without and with the norms, the two taking turns,
+    fastest of `repeats` each. The main table's `add` is a difference of two medians of whole steps'
+    adds (about 70 ms each, with a spread of 10-20 ms); this one adds the same arrays every time."""
+    from mindmon.stats import HostGradientBuffer
+
+    host = config.train_step._host
+    if host is None:
+        return None
+    captured, timed_add = [], host.add
+    host.add = lambda grads, with_norms=False: (captured.append(grads), timed_add(grads, with_norms))[1]
+    try:
+        config.enter()
+        config.step()
+    finally:
+        host.add = timed_add
+    parameters = config.work.optimizer.parameters
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(repeats):
+        for with_norms in (False, True):
+            buffer = HostGradientBuffer(parameters)
+            start = time.perf_counter()
+            for grads in captured:
+                buffer.add(grads, with_norms)
+            best[with_norms] = min(best[with_norms], time.perf_counter() - start)
+    return {"add_ms": best[False] * 1e3, "add_with_norms_ms": best[True] * 1e3,
+            "norms_ms": (best[True] - best[False]) * 1e3, "repeats": repeats}
+
+
 def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     work = Workload(size)
     log(f"main run: {work.describe()}")
     configs = _main_configs(work, out_dir, args.only)
     samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
+    norms_in_add = measure_norms_in_add(configs[1])
     for config in configs:
         config.close()
     rows = summarize(samples)
     off, ours = rows[0], rows[1]
     reference = next((r for r in rows if r["config"] == "host_sync_ref"), None)
     added = ours["added_ms_per_step"]
-    result = {"size": work.describe(), "rows": rows, "off_median_step_s": off["median_step_s"]}
+    result = {"size": work.describe(), "rows": rows, "off_median_step_s": off["median_step_s"],
+              "norms_in_add": norms_in_add}
     if reference is None:
         return result
     return {**result,
@@ -616,6 +648,18 @@ def _peer_lines(rows: List[dict]) -> List[str]:
     return lines
 
 
+def _norms_in_add_line(main: dict) -> List[str]:
+    """train_state's share with its `add` measured apart (same gradients, fastest of several)."""
+    apart = main.get("norms_in_add")
+    if not apart:
+        return []
+    ours, off_step_ms = main["rows"][1], main["off_median_step_s"] * 1e3
+    total = ours["in_step_ms_per_step"] + max(apart["norms_ms"], 0.0) + ours["at_end_ms_per_step"]
+    return [f"train_state's add measured apart (same gradients, fastest of {apart['repeats']}): "
+            f"{apart['add_ms']:.1f} ms without the norms, {apart['add_with_norms_ms']:.1f} ms with them: "
+            f"{apart['norms_ms']:.1f} ms; step+add+end = {total:.1f} ms = {total / off_step_ms:.2%} of the off step"]
+
+
 def _reference_line(main: dict) -> List[str]:
     if "host_sync_added_over_train_state_added" not in main:
         return []
@@ -636,6 +680,7 @@ def format_tables(result: dict) -> str:
              f"{result['settings']['rounds']} x {result['settings']['steps_per_block']}", head]
     lines += [_row_line(r) for r in result["main"]["rows"]]
     main = result["main"]
+    lines += _norms_in_add_line(main)
     lines += _reference_line(main)
     if result["scaling"]:
         lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",

@@ -88,25 +88,13 @@ def format_row(record: TensorStatsRecord, columns: Sequence[str], ndigits: int, 
                ) -> List[str]:
     """One CSV row for `columns` (a header): statistics the record lacks are left empty, so every row
     has exactly as many fields as its header."""
-    fields = []
-    for column in columns:
-        if column == "vpp_stage":
-            fields.append("0")
-        elif column == "name":
-            fields.append(record.name)
-        elif column == "step":
-            fields.append(str(record.step - 1))
-        elif column == MICRO_STEP:
-            fields.append("" if record.micro_step is None else str(record.micro_step))
-        elif column == "shape":
-            fields.append(str(tuple(record.shape)))
-        elif column == "dtype":
-            fields.append(record.dtype)
-        elif column in record.ops:
-            fields.append(format_value(record.stat(column), ndigits, significant))
-        else:
-            fields.append("")
-    return fields
+    described = {"vpp_stage": "0", "name": record.name, "step": str(record.step - 1),
+                 MICRO_STEP: "" if record.micro_step is None else str(record.micro_step),
+                 "shape": str(tuple(record.shape)), "dtype": record.dtype}
+    statistics = dict(zip(record.ops, record.value))
+    return [described[column] if column in described else
+            format_value(statistics[column], ndigits, significant) if column in statistics else ""
+            for column in columns]
 
 
 def write_rows(path: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

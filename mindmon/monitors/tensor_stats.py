@@ -251,7 +251,7 @@ class TensorStatsMonitor(Monitor):
         for point, micro_step, names, layouts, values in self.stats.results():
             for name, (shape, dtype), row in zip(names, layouts, values):
                 records.append(TensorStatsRecord(step, micro_step, self.rank, point, name,
-                                                 [float(v) for v in row], ops=self.ops, shape=shape, dtype=dtype))
+                                                 row.tolist(), ops=self.ops, shape=shape, dtype=dtype))
         self.reset()
         return records
 
