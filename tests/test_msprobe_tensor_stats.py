@@ -74,6 +74,19 @@ def test_huge_float32_values_do_not_overflow(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
+def test_infinities_of_both_signs_give_a_nan_mean_and_no_warning(recwarn):
+    """inf + -inf is NaN (the float64 re-sum after a non-finite block sum), said by no RuntimeWarning."""
+    data = np.random.default_rng(19).normal(size=70000).astype(np.float32)
+    data[5], data[66000] = np.inf, -np.inf
+    monitor = TensorStatsMonitor(("min", "max", "mean", "norm", "nans", "zeros"), on_host=True)
+    monitor.record("grad_reduced", [("w", ms.Tensor(data))])
+    (record,) = monitor.collect(1)
+    assert record.value[:2] == [-math.inf, math.inf] and math.isnan(record.value[2])
+    assert record.value[3:5] == [math.inf, 0.0]
+    assert record.value[5] == np.count_nonzero(np.abs(data.astype(np.float64)) < 1e-8) / data.size
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 BOUNDARY_SIZES = (4095, 4096, 4097, 65535, 65536, 65537, 3_000_017)
 
 

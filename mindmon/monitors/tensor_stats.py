@@ -87,26 +87,29 @@ def _blocked_stats(flat: np.ndarray, ops: Sequence[str], eps: float) -> List[flo
     want = set(ops)
     sums, squares, mins, maxs, small = 0.0, 0.0, [], [], 0
     magnitude, below = np.empty(min(flat.size, _BLOCK), np.float32), np.empty(min(flat.size, _BLOCK), bool)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for start in range(0, flat.size, _BLOCK):
-            block = flat[start:start + _BLOCK]
-            if "mean" in want or "nans" in want:
-                sums += float(np.dot(block, _ONES[:block.size]))
-            if "norm" in want:
-                squares += float(np.dot(block, block))
-            if "min" in want:
-                mins.append(block.min())
-            if "max" in want:
-                maxs.append(block.max())
-            if "zeros" in want:
-                np.less(np.abs(block, out=magnitude[:block.size]), eps, out=below[:block.size])
-                small += int(np.count_nonzero(below[:block.size]))
+    # No np.errstate: BLAS dot products, min/max and comparisons raise no floating-point warnings for
+    # overflow, inf or NaN, and entering errstate per tensor cost more than the statistics of a small one.
+    for start in range(0, flat.size, _BLOCK):
+        block = flat[start:start + _BLOCK]
+        if "mean" in want or "nans" in want:
+            sums += float(np.dot(block, _ONES[:block.size]))
+        if "norm" in want:
+            squares += float(np.dot(block, block))
+        if "min" in want:
+            mins.append(block.min())
+        if "max" in want:
+            maxs.append(block.max())
+        if "zeros" in want:
+            np.less(np.abs(block, out=magnitude[:block.size]), eps, out=below[:block.size])
+            small += int(np.count_nonzero(below[:block.size]))
     if not math.isfinite(sums):   # overflowed, or inf/NaN inside (which stay what they are)
-        sums = float(np.sum(flat, dtype=np.float64))
+        with np.errstate(invalid="ignore"):   # inf + -inf is NaN, as it should be: no warning
+            sums = float(np.add.reduce(flat, dtype=np.float64))
     values = {"mean": sums / flat.size, "zeros": small / flat.size, "id": float("nan"),
               "nans": 0.0 if math.isfinite(sums) else float(np.count_nonzero(np.isnan(flat))),
               "norm": _root(squares, flat) if "norm" in want else 0.0,
-              "min": float(np.min(mins)) if mins else 0.0, "max": float(np.max(maxs)) if maxs else 0.0}
+              "min": float(np.minimum.reduce(mins)) if mins else 0.0,   # NaN in any block gives NaN
+              "max": float(np.maximum.reduce(maxs)) if maxs else 0.0}
     return [values[op] for op in ops]
 
 
