@@ -169,3 +169,13 @@ def test_host_buffer_norms_taken_while_adding():
     for got, want, shape in zip(gradients, expected, shapes):
         assert tuple(got.shape) == shape
         np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_host_buffer_only_for_float32_parameters():
+    from mindmon.stats import HostGradientBuffer
+
+    float32, float16 = Tensor(np.zeros(3, np.float32)), Tensor(np.zeros(3, np.float16))
+    assert HostGradientBuffer.fits([float32, float32]) is True
+    assert HostGradientBuffer.fits([float32, float16]) is False   # one float16 parameter: the device path
+    assert HostGradientBuffer.fits([float16]) is False
+    assert HostGradientBuffer.fits([]) is False                   # no parameters: nothing to buffer
