@@ -175,6 +175,7 @@ def test_counts_are_rounded_not_truncated():
     monitor.record(MICRO_STEP_END)
     records = monitor.collect(1)
     assert records[0].value == [3, 1, 0, 7] and records[1].value == [3, 1, 0, 7]
+    assert {r.rank for r in records} == {0}   # the default rank
 
 
 def test_snapshot_is_a_copy_of_a_counter_changed_in_place():
@@ -187,8 +188,8 @@ def test_snapshot_is_a_copy_of_a_counter_changed_in_place():
 
 
 def test_no_step_begin_or_no_micro_step_writes_nothing_and_resets():
-    config = MoEMonitorConfig(save_tokens_per_expert_interval=1)
-    monitor = MoETokensMonitor(config, _model())
+    config = MoEMonitorConfig(save_tokens_per_expert_interval=1, target_layers=(1,))
+    monitor = MoETokensMonitor(config, _model(), cross_rank=True)
     monitor.record(MICRO_STEP_END)          # before any step begin: ignored
     assert monitor._snapshots == [] and monitor.collect(1) == []
     monitor.record(STEP_BEGIN)
@@ -196,6 +197,9 @@ def test_no_step_begin_or_no_micro_step_writes_nothing_and_resets():
     assert monitor.collect(1) == [] and monitor._snapshots == []
     monitor.receive_cross_rank_sums([Tensor(np.ones(EXPERTS, np.float32))])
     assert monitor.collect(2) == [] and monitor._all_ranks is None
+    monitor.record(STEP_BEGIN)
+    monitor.record(MICRO_STEP_END)          # one micro-step is a step to sum over the ranks
+    assert [s.asnumpy().tolist() for s in monitor.cross_rank_sums()] == [[0.0] * EXPERTS]
 
 
 def test_idle_layer_has_no_ratio_summaries():
@@ -225,7 +229,7 @@ def test_cross_rank_sums_replace_the_step_totals(on_host):
         assert np.array_equal(got.asnumpy().astype(np.float64), want)
     # Another rank routed `other`; the all-reduce hands back the sum (float32, possibly off by rounding).
     other = np.array([[1.0, 2, 0, 40], [3, 0, 0, 1]])
-    monitor.receive_cross_rank_sums([Tensor((s.asnumpy() + o + 0.4).astype(np.float32)) for s, o in zip(sums, other)])
+    monitor.receive_cross_rank_sums([Tensor((s.asnumpy() + o - 0.3).astype(np.float32)) for s, o in zip(sums, other)])
     records = monitor.collect(1)
     totals = routed.sum(axis=0) + other
     step_level = [r for r in records if r.micro_step is None]
