@@ -84,6 +84,10 @@ def test_target_layers_select_and_refuse_exactly(caplog):
     with pytest.raises(ConfigError) as error:
         _select(model, tuple(range(20, 2, -1)))
     assert "decoder layer(s) [3, 4, 5, 6, 7, 8, 9, 10, 11, 12] do not exist" in str(error.value)
+    with pytest.raises(ConfigError, match=r"got 4; decoder layer\(s\) 3\.\.3 do not exist"):
+        _select(model, 4)                                  # one past the last layer
+    with pytest.raises(ConfigError, match=r"got \(4, 1\); decoder layer\(s\) \[4\] do not exist"):
+        _select(model, (4, 1))                             # the largest id is not the last one
     with pytest.raises(ConfigError) as error:
         _select(model, (1, 3))
     assert "got (1, 3); decoder layer(s) [3] do not exist" in str(error.value)
@@ -242,3 +246,11 @@ def test_cross_rank_sums_replace_the_step_totals(on_host):
     assert [(r.micro_step, r.value) for r in records if r.kind == "tokens_per_expert"] == [
         (k, routed[k, i].astype(int).tolist()) for k in (0, 2) for i in (0, 1)]
     assert monitor._all_ranks is None
+
+
+def test_ratio_summaries_when_the_mean_is_below_one():
+    monitor = MoETokensMonitor(MoEMonitorConfig(save_tokens_per_expert_interval=1, target_layers=(1,)), _model())
+    records, _ = _run_step(monitor, 1, np.array([[[0.0, 0, 1, 2]]]), np.zeros((1, EXPERTS)))
+    step_level = {r.kind: r.value for r in records if r.micro_step is None and r.kind.startswith("moe_")}
+    assert step_level == _summaries([0, 0, 1, 2])   # mean 0.75: max/mean 8/3, cv std/mean
+    assert set(step_level) == {"moe_min_tokens", "moe_max_tokens", "moe_idle_experts", "moe_max_over_mean", "moe_cv"}
