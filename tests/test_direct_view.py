@@ -44,3 +44,44 @@ def test_tensor_statistics_read_through_views_when_execution_is_synchronous():
     # float32 accumulation: the mean within ~1e-7 of max|x| (= 1 here), the rest to relative 1e-6
     assert np.allclose(values, want, rtol=1e-6, atol=1e-7), (values, want)
     assert want[4] > 0   # linspace through 0 holds an exact zero: a zero count that could be wrong
+
+
+def test_direct_only_when_asked_and_where_a_view_can_be_built():
+    from mindmon.stats import _ArrayInterface
+
+    tensor = ms.Tensor(np.arange(6, dtype=np.float32))
+    assert isinstance(_host_array(tensor, direct=True).base, _ArrayInterface)   # the data pointer's view
+    assert not isinstance(_host_array(tensor).base, _ArrayInterface)            # default: asnumpy() waits
+    # A numpy array (the host buffer's views) is flattened as it is, whatever its shape.
+    matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert _host_array(matrix).shape == (12,) and np.shares_memory(_host_array(matrix), matrix)
+
+
+def test_direct_views_need_mindspore_2_8_and_synchronous_execution(monkeypatch):
+    for version, allowed in (("2.7.1", False), ("2.8.0", True), ("2.10.0rc1", True), ("3.0", True)):
+        monkeypatch.setattr(ms, "__version__", version)
+        assert direct_views_allowed() is allowed, version
+    monkeypatch.undo()
+    ms.set_context(pynative_synchronize=False)
+    try:
+        assert direct_views_allowed() is False
+    finally:
+        ms.set_context(pynative_synchronize=True)   # as the test session's conftest sets it
+    assert direct_views_allowed() is True
+
+
+def test_a_view_keeps_its_tensor_alive_and_bfloat16_is_copied():
+    import gc
+    import weakref
+
+    tensor = ms.Tensor(np.arange(3, dtype=np.float32))
+    alive = weakref.ref(tensor)
+    view = _host_array(tensor, direct=True)
+    del tensor
+    gc.collect()
+    assert alive() is not None and view.tolist() == [0.0, 1.0, 2.0]   # not freed under the view
+    # numpy has no bfloat16: no view, a float64 copy of the exact values
+    bf16 = ms.Tensor(np.array([1.5, -2.25, 3.0e38], np.float32)).astype(ms.bfloat16)
+    assert _direct_view(bf16, str(bf16.dtype)) is None
+    copy = _host_array(bf16, direct=True)
+    assert copy.dtype == np.float64 and copy.tolist() == bf16.astype(ms.float32).asnumpy().astype(np.float64).tolist()

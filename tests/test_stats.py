@@ -169,3 +169,32 @@ def test_host_buffer_norms_taken_while_adding():
     for got, want, shape in zip(gradients, expected, shapes):
         assert tuple(got.shape) == shape
         np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_host_buffer_only_for_float32_parameters():
+    from mindmon.stats import HostGradientBuffer
+
+    float32, float16 = Tensor(np.zeros(3, np.float32)), Tensor(np.zeros(3, np.float16))
+    assert HostGradientBuffer.fits([float32, float32]) is True
+    assert HostGradientBuffer.fits([float32, float16]) is False   # one float16 parameter: the device path
+    assert HostGradientBuffer.fits([float16]) is False
+    assert HostGradientBuffer.fits([]) is False                   # no parameters: nothing to buffer
+
+
+@pytest.mark.parametrize("size", [4095, 4096])
+def test_host_buffer_sums_small_parameters_in_float64(size):
+    """Up to 4096 elements the buffer's norms are float64 sums of the float32 values (relative error
+    ~1e-16), not float32 BLAS blocks (~1e-7 here): the same rule as SquaredNorms."""
+    from mindmon.stats import HostGradientBuffer
+
+    rng = np.random.default_rng(size)
+    grads = [[Tensor(rng.normal(size=size).astype(np.float32))] for _ in range(2)]
+    buffer = HostGradientBuffer(grads[0])
+    _, first = buffer.add(grads[0], with_norms=True)
+    _, second = buffer.add(grads[1], with_norms=True)
+    g0, g1 = (g[0].asnumpy() for g in grads)
+    accumulated = (g0 + g1).astype(np.float64)    # the buffer holds the float32 sum
+    np.testing.assert_allclose(first.accumulated, [np.sum(g0.astype(np.float64) ** 2)], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(second.micro, [np.sum(g1.astype(np.float64) ** 2)], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(second.accumulated, [np.sum(accumulated ** 2)], rtol=1e-12, atol=0)
+    assert buffer.add(grads[0])[1] is None   # norms only when asked for

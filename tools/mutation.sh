@@ -9,7 +9,8 @@
 # touched; prints the surviving mutants and the kill rate. Inspect a survivor with
 #   cd $MUTATION_DIR && $PYTHON -m mutmut show <mutant name>
 # Environment: PYTHON (default: .venv/bin/python when present, else python3), JOBS (parallel mutants,
-# default 2), MUTATION_DIR. Needs the `mutation` extra: pip install -e ".[mutation]".
+# default 2), MUTATION_DIR, MUTATION_TESTS (test files to run instead of the ones listed below, e.g. the
+# fast ones first, the Trainer tests on the survivors only). Needs the `mutation` extra: pip install -e ".[mutation]".
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,12 +21,12 @@ SCRATCH="${MUTATION_DIR:-/tmp/mindmon-mutation}"
 # The fast test files that check each module's numbers (the msrun test for distributed.py is slow).
 tests_for() {
   case "$1" in
-    mindmon/stats.py) echo "tests/test_stats.py tests/test_train_state_values.py tests/test_plain_loop.py" ;;
+    mindmon/stats.py) echo "tests/test_stats.py tests/test_direct_view.py tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_paths.py" ;;
     mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_values.py tests/test_stats.py tests/test_step_paths.py" ;;
     mindmon/monitors/train_state.py) echo "tests/test_train_state_values.py" ;;
-    mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens.py tests/test_probes.py" ;;
+    mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens_values.py tests/test_moe_tokens.py tests/test_probes.py" ;;
     mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
-    mindmon/distributed.py) echo "tests/test_multi_rank.py" ;;
+    mindmon/distributed.py) echo "tests/test_distributed_collectives.py" ;;
     mindmon/probes/*) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
   esac
@@ -41,6 +42,7 @@ for module in "$@"; do
   [ -f "$module" ] || { echo "tools/mutation.sh: $module: no such file" >&2; exit 2; }
   modules+=("$module")
   module_tests="$(tests_for "$module")"   # an unknown module stops the script here
+  module_tests="${MUTATION_TESTS:-$module_tests}"
   for t in $module_tests; do
     [[ " ${tests[*]-} " == *" $t "* ]] || tests+=("$t")
   done
