@@ -26,6 +26,7 @@ tests_for() {
     mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens.py tests/test_probes.py" ;;
     mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
     mindmon/distributed.py) echo "tests/test_multi_rank.py" ;;
+    mindmon/probes/max_logits.py) echo "tests/test_max_logit_probe_values.py tests/test_probes_gqa.py tests/test_probes.py" ;;
     mindmon/probes/*) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
   esac
