@@ -205,38 +205,44 @@ def test_a_shape_that_does_not_fit_detaches_the_probe_with_one_warning(caplog, l
     assert probes.probes[0].handle is None and probes.probes[0].model is None
 
 
-def test_the_function_wrapper_routes_calls_by_order_or_by_layer_of():
+def test_the_function_wrapper_routes_calls_by_order_and_passes_the_mask_argument():
     rng = np.random.default_rng(6)
-    model = Layers()
     seen = []
 
-    def attention(x, q, k, *, flag=None):   # query and key are arguments 1 and 2
+    def attention(x, q, k, mask, *, flag=None):   # query, key and mask are arguments 1, 2 and 3
         seen.append(flag)
         return x
-    probes, wrapped = track_attention_function(model, attention, names=["layers.0", "layers.1"], num_heads=Q_HEADS,
-                                               num_kv_heads=KV_HEADS, query_arg=1, key_arg=2, scale=0.5)
-    calls = [qk(rng) for _ in range(4)]   # two forwards: layers.0, layers.1, layers.0, layers.1
-    for q, k in calls:
-        assert wrapped("x", ms.Tensor(q), ms.Tensor(k), flag="on") == "x"
-    assert seen == ["on"] * 4
+    names = ["layers.0", "layers.1", "layers.2"]
+    probes, wrapped = track_attention_function(Layers(), attention, names=names, num_heads=Q_HEADS,
+                                               num_kv_heads=KV_HEADS, query_arg=1, key_arg=2, mask_arg=3, scale=0.5)
+    calls = [qk(rng) for _ in range(6)]   # two forwards, each calling the layers in order
+    masks = [rng.random((3, 5)) < 0.3 for _ in range(6)]
+    for (q, k), mask in zip(calls, masks):
+        assert wrapped("x", ms.Tensor(q), ms.Tensor(k), ms.Tensor(mask), flag="on") == "x"
+    assert seen == ["on"] * 6
     got = values(probes)
-    for index in range(2):
-        want = np.maximum(numpy_max(*calls[index], 0.5), numpy_max(*calls[index + 2], 0.5))
-        np.testing.assert_allclose(got[f"layers.{index}.max_logits_val"], want, rtol=1e-5)
+    for index, name in enumerate(names):
+        want = np.maximum(numpy_max(*calls[index], 0.5, masks[index]), numpy_max(*calls[index + 3], 0.5, masks[index + 3]))
+        np.testing.assert_allclose(got[f"{name}.max_logits_val"], want, rtol=1e-5)
 
-    model = Layers()
-    probes, wrapped = track_attention_function(model, attention, names=["layers.0", "layers.1"], num_heads=Q_HEADS,
+
+def test_the_function_wrapper_asks_layer_of_and_ignores_unknown_layers():
+    rng = np.random.default_rng(7)
+    probes, wrapped = track_attention_function(Layers(), lambda prefix, q, k, *, flag: prefix,
+                                               names=["layers.0", "layers.1"], num_heads=Q_HEADS,
                                                num_kv_heads=KV_HEADS, query_arg=1, key_arg=2,
-                                               layer_of=lambda args, kwargs: kwargs["flag"])
-    wrapped("x", ms.Tensor(calls[0][0]), ms.Tensor(calls[0][1]), flag="layers.1")
-    wrapped("x", ms.Tensor(calls[1][0]), ms.Tensor(calls[1][1]), flag="embedding")   # no probe: ignored
+                                               layer_of=lambda args, kwargs: args[0] + kwargs["flag"])
+    (q, k), (q2, k2) = qk(rng), qk(rng)
+    q[:, :, 0], k[:, :, 4] = 3.0, 3.0   # the peak is query 0 on key 4: counted, as the default is not causal
+    assert wrapped("layers.", ms.Tensor(q), ms.Tensor(k), flag="1") == "layers."
+    wrapped("embedding", ms.Tensor(q2), ms.Tensor(k2), flag="")   # no probe of that name: ignored
     got = values(probes)
     assert np.isneginf(got["layers.0.max_logits_val"]).all()
-    np.testing.assert_allclose(got["layers.1.max_logits_val"], numpy_max(*calls[0]), rtol=1e-5)
+    np.testing.assert_allclose(got["layers.1.max_logits_val"], numpy_max(q, k), rtol=1e-5)
 
 
 def test_a_wrapped_function_with_a_mismatched_probe_warns_once_and_keeps_calling(caplog):
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(8)
     model = Layers(1)
     probes, wrapped = track_attention_function(model, lambda q, k: "out", names=["layers.0"], num_heads=Q_HEADS)
     q, k = qk(rng)   # two key heads where four are configured
