@@ -122,6 +122,15 @@ def test_a_mask_input_masks_exactly_its_true_or_negative_entries(kind):
     np.testing.assert_allclose(values(probes)["layers.0.max_logits_val"], numpy_max(q, k, masked=masked), rtol=1e-5)
 
 
+def test_multi_query_attention_one_key_head_for_every_query_head():
+    rng = np.random.default_rng(9)
+    model = Layers(1)
+    probes = attach_max_logit_probes(model, r"layers\.0$", num_heads=Q_HEADS, num_kv_heads=1)
+    q, k = qk(rng)
+    model.layers[0](ms.Tensor(q), ms.Tensor(k[:, :1]))
+    np.testing.assert_allclose(values(probes)["layers.0.max_logits_val"], numpy_max(q, k[:, :1]), rtol=1e-5)
+
+
 def test_float16_inputs_are_multiplied_in_float32():
     rng = np.random.default_rng(3)
     model = Layers(1)
@@ -202,6 +211,7 @@ def test_a_shape_that_does_not_fit_detaches_the_probe_with_one_warning(caplog, l
     assert [r.getMessage() for r in caplog.records] == [
         f"mindmon: max-logit probe layers.0.max_logits_val: got shape {shape}, expected {layout} with 4 heads; "
         f"the probe is detached and this layer is no longer tracked (check num_heads, num_kv_heads, layout)"]
+    assert caplog.records[0].name == "mindmon"   # the logger users configure
     assert probes.probes[0].handle is None and probes.probes[0].model is None
 
 
