@@ -98,17 +98,18 @@ def test_causal_with_fewer_queries_than_keys_sees_the_keys_up_to_each_querys_pos
 
 
 def _masks(rng):
-    """(mask as given to the cell, True where masked) for each accepted kind of mask input."""
+    """(mask as given to the cell, True where masked) for each accepted kind of mask input: 4-d, or
+    (query, key) after unit dimensions only."""
     masked = rng.random((2, 1, 3, 5)) < 0.5
     masked[..., 0] = False   # every query sees at least one key
     additive = np.where(masked, -1e4, 0.0).astype(np.float32)
     additive[~masked] = 0.5 * rng.random(int((~masked).sum()))   # non-negative values are not masked
     return [(masked, masked), (masked[0, 0], masked[0, 0]), (masked[:1, 0], masked[0, 0]),
-            (masked.astype(np.int32), masked), (additive, masked),
+            (masked[0, 0][None, None, None], masked[0, 0]), (masked.astype(np.int32), masked), (additive, masked),
             (np.zeros((3, 5), np.float32), np.zeros((3, 5), bool))]
 
 
-@pytest.mark.parametrize("kind", range(6), ids=["bool4d", "bool2d", "bool3d", "int01", "additive", "zeros"])
+@pytest.mark.parametrize("kind", range(7), ids=["bool4d", "bool2d", "bool3d", "bool5d", "int01", "additive", "zeros"])
 def test_a_mask_input_masks_exactly_its_true_or_negative_entries(kind):
     rng = np.random.default_rng(2)
     mask, masked = _masks(rng)[kind]
