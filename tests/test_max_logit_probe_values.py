@@ -80,7 +80,7 @@ def test_every_layout_is_a_running_max_of_numpys_grouped_scores(layout, scale):
         want = np.maximum(numpy_max(*calls[0][index], scale), numpy_max(*calls[1][index], scale))
         assert got[f"layers.{index}.max_logits_val"].dtype == np.float32
         np.testing.assert_allclose(got[f"layers.{index}.max_logits_val"], want, rtol=1e-5)
-    probes.reset_max_attention_logit()
+    model.reset_max_attention_logit()   # the accessor installed on the model
     for value in values(probes).values():
         assert value.dtype == np.float32 and value.shape == (Q_HEADS,) and np.isneginf(value).all()
 
