@@ -74,6 +74,10 @@ CONFTEST
   # mutmut's main process hang (false "timeout" kills). Fork instead from a server that imported
   # nothing, so every mutant imports MindSpore afresh (a few seconds each, but every verdict is real).
   printf 'process_isolation = forkserver\nforkserver_warmup = none\n'
+  # mutmut's time limit is 15 x (the tests' own durations + timeout_constant); those durations leave
+  # out the import above, which takes a minute on loaded cores: with the default constant of 1 s a
+  # mutant whose tests last 1 s "times out" after 30 s and counts as killed without a verdict.
+  printf 'timeout_constant = 20\n'
 } >> "$SCRATCH/setup.cfg"
 
 cd "$SCRATCH"
