@@ -27,6 +27,7 @@ tests_for() {
     mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens_values.py tests/test_moe_tokens.py tests/test_probes.py" ;;
     mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
     mindmon/distributed.py) echo "tests/test_distributed_collectives.py" ;;
+    mindmon/probes/max_logits.py) echo "tests/test_max_logit_probe_values.py tests/test_probes_gqa.py tests/test_probes.py" ;;
     mindmon/probes/*) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
   esac
@@ -75,6 +76,10 @@ CONFTEST
   # mutmut's main process hang (false "timeout" kills). Fork instead from a server that imported
   # nothing, so every mutant imports MindSpore afresh (a few seconds each, but every verdict is real).
   printf 'process_isolation = forkserver\nforkserver_warmup = none\n'
+  # mutmut's time limit is 15 x (the tests' own durations + timeout_constant); those durations leave
+  # out the import above, which takes a minute on loaded cores: with the default constant of 1 s a
+  # mutant whose tests last 1 s "times out" after 30 s and counts as killed without a verdict.
+  printf 'timeout_constant = 20\n'
 } >> "$SCRATCH/setup.cfg"
 
 cd "$SCRATCH"
