@@ -27,15 +27,23 @@ def test_one_process_returns_its_input():
 
 
 def run_workers(tmp_path, env_extra=None) -> subprocess.CompletedProcess:
-    """Two msrun workers running tests/dp_worker.py; the worker logs go to tmp_path/msrun."""
+    """Two msrun workers running tests/dp_worker.py; the worker logs go to tmp_path/msrun. The workers
+    import the mindmon this test imported (a mutation run's mutated copy, not an installed one)."""
+    import mindmon
+
     command = [WORKER if part == launch.WORKER else part for part in launch.msrun_command(2, str(tmp_path / "msrun"), [])]
+    source = os.path.dirname(os.path.dirname(os.path.abspath(mindmon.__file__)))
+    python_path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               **(env_extra or {}))
+               PYTHONPATH=python_path, **(env_extra or {}))
     env.pop("LOG_MF_PATH", None)
     return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
 def test_two_ranks_sum_and_max_against_numpy(tmp_path):
+    # mutmut reruns a test for a mutant only if the test called the mutated function in its own process
+    # (the workers' calls are not seen): the one-process path first, then the two ranks.
+    test_one_process_returns_its_input()
     result = run_workers(tmp_path)
     logs = [(tmp_path / "msrun" / f"worker_{rank}.log").read_text() for rank in (0, 1)]
     assert result.returncode == 0, result.stdout[-2000:] + "".join(log[-3000:] for log in logs)
