@@ -1,0 +1,83 @@
+"""`numpy_stats`, the host statistics of one array, op by op: every op alone and in pairs, on the
+float64 path (up to 4096 elements) and the blocked float32 path (more), against float64 numpy; an
+empty array; values exactly at `eps`; the exact float64 sum of small arrays; `id`."""
+import math
+
+import numpy as np
+import pytest
+
+from mindmon.monitors.tensor_stats import OPS, numpy_stats
+
+pytestmark = pytest.mark.ms27
+
+EPS = 0.5   # exactly representable, so values equal to it can be planted
+
+
+def expected(values: np.ndarray, op: str, scalar: bool = False) -> float:
+    flat = values.astype(np.float64).reshape(-1)
+    if op == "id":
+        return float(flat[0]) if scalar else math.nan
+    if op == "nans":
+        return float(np.count_nonzero(np.isnan(flat)))
+    if op == "norm":
+        return math.sqrt(float(np.dot(flat, flat)))
+    if not flat.size:
+        return math.nan
+    return {"min": flat.min(), "max": flat.max(), "mean": flat.mean(),
+            "zeros": np.count_nonzero(np.abs(flat) < EPS) / flat.size}[op]
+
+
+def assert_same(got, want, label):
+    if math.isnan(want):
+        assert isinstance(got, float) and math.isnan(got), (label, got)
+    else:
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), (label, got, want)
+
+
+def sample(size: int, with_nan: bool) -> np.ndarray:
+    rng = np.random.default_rng(size + with_nan)
+    data = rng.normal(0.2, 1.0, size).astype(np.float32)
+    data[::7] = EPS                     # exactly at eps: not below it
+    data[1::7] = -EPS
+    data[2::7] = np.float32(0.25)       # below it
+    if with_nan:
+        data[size // 2] = np.nan
+    return data
+
+
+SINGLES = [(op,) for op in OPS]
+PAIRS = [("nans", "min"), ("mean", "zeros"), ("zeros", "nans"), ("norm", "max")]
+
+
+@pytest.mark.parametrize("size", [100, 4096, 4097, 70000])
+@pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize("ops", SINGLES + PAIRS, ids="+".join)
+def test_each_op_alone_and_in_pairs(size, with_nan, ops):
+    data = sample(size, with_nan)
+    got = numpy_stats(data, ops, EPS)
+    assert len(got) == len(ops)
+    for op, value in zip(ops, got):
+        assert_same(value, expected(data, op), (size, op))
+
+
+@pytest.mark.parametrize("ops", SINGLES + [OPS], ids="+".join)
+def test_an_empty_array(ops):
+    """No elements: min, max, mean, zeros and id are NaN, nans is 0 and the norm 0."""
+    got = numpy_stats(np.empty(0, np.float32), ops, EPS)
+    for op, value in zip(ops, got):
+        assert_same(value, {"nans": 0.0, "norm": 0.0}.get(op, math.nan), op)
+
+
+def test_small_arrays_are_summed_exactly_in_float64():
+    """Up to 4096 elements the sum is float64: 2**24 and 4095 ones give their exact mean (float32
+    partial sums would drop ones added to 2**24)."""
+    data = np.ones(4096, np.float32)
+    data[0] = 2 ** 24
+    assert numpy_stats(data, ("mean",), EPS)[0] == (2 ** 24 + 4095) / 4096
+
+
+@pytest.mark.parametrize("size", [16, 70000])
+def test_id_is_nan_unless_the_tensor_is_a_scalar(size):
+    data = np.full(size, 3.5, np.float32)
+    assert math.isnan(numpy_stats(data, ("id",), EPS)[0])
+    assert numpy_stats(data[:1], ("id", "max"), EPS, scalar=True) == [3.5, 3.5]
