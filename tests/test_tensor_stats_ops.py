@@ -81,3 +81,48 @@ def test_id_is_nan_unless_the_tensor_is_a_scalar(size):
     data = np.full(size, 3.5, np.float32)
     assert math.isnan(numpy_stats(data, ("id",), EPS)[0])
     assert numpy_stats(data[:1], ("id", "max"), EPS, scalar=True) == [3.5, 3.5]
+
+
+@pytest.mark.parametrize("with_nan", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize("ops", SINGLES + PAIRS, ids="+".join)
+def test_device_path_op_by_op(with_nan, ops):
+    """The device path (statistics reduced by MindSpore, read later) gives the same numbers, each op alone."""
+    import mindspore as ms
+
+    from mindmon.monitors.tensor_stats import device_stats
+
+    data = sample(100, with_nan)
+    got = device_stats(ms.Tensor(data), ops, EPS).asnumpy().tolist()
+    for op, value in zip(ops, got):
+        want = expected(data, op)
+        if math.isnan(want):
+            assert math.isnan(value), (op, value)
+        else:
+            assert value == pytest.approx(want, rel=1e-5, abs=1e-6), (op, value, want)
+
+
+def test_device_path_of_a_scalar():
+    """A 0-dim tensor: one element, so `zeros` is 0 or 1, and `id` is its value."""
+    import mindspore as ms
+
+    from mindmon.monitors.tensor_stats import device_stats
+
+    got = device_stats(ms.Tensor(np.float32(0.25)), ("zeros", "id", "mean"), EPS).asnumpy().tolist()
+    assert got == [1.0, 0.25, 0.25]
+
+
+def test_no_direct_view_where_it_is_not_allowed(monkeypatch):
+    """Asynchronous execution (or MindSpore before 2.8): tensors are read through asnumpy(), never a
+    pointer view, whatever else TensorStats knows about them."""
+    import mindspore as ms
+
+    from mindmon import stats
+    from mindmon.monitors.tensor_stats import TensorStats
+
+    monkeypatch.setattr(stats, "direct_views_allowed", lambda: False)
+    views = []
+    original = stats._direct_view
+    monkeypatch.setattr(stats, "_direct_view", lambda *args: views.append(args) or original(*args))
+    collected = TensorStats(("max", "min"), EPS, on_host=True)
+    collected.add("actv", [("x", ms.Tensor(np.arange(3, dtype=np.float32)) * 2)])
+    assert views == [] and collected.results()[0][4].tolist() == [[4.0, 0.0]]
