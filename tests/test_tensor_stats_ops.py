@@ -126,3 +126,18 @@ def test_no_direct_view_where_it_is_not_allowed(monkeypatch):
     collected = TensorStats(("max", "min"), EPS, on_host=True)
     collected.add("actv", [("x", ms.Tensor(np.arange(3, dtype=np.float32)) * 2)])
     assert views == [] and collected.results()[0][4].tolist() == [[4.0, 0.0]]
+
+
+def test_monitor_keeps_its_rank_and_the_path_asked_for():
+    """The rank given (default 0) is every record's; on CPU the host path is the default, and a
+    monitor asked for the device path keeps it (same numbers, read once at collect)."""
+    import mindspore as ms
+
+    from mindmon.monitors.tensor_stats import TensorStatsMonitor
+
+    assert TensorStatsMonitor(("max",)).stats.on_host is True
+    assert TensorStatsMonitor(("max",), on_host=False).stats.on_host is False
+    for rank, monitor in ((0, TensorStatsMonitor(("max",))), (3, TensorStatsMonitor(("max",), rank=3))):
+        monitor.record("param_origin", [("w", ms.Tensor(np.ones(2, np.float32)))])
+        (record,) = monitor.collect(1)
+        assert (record.rank, record.value) == (rank, [1.0])
