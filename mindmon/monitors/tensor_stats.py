@@ -8,8 +8,10 @@ The statistics, all of the tensor flattened:
     nans       number of NaN elements
     id         the value of a 0-dim tensor; NaN for any other
 
-On CPU (`asnumpy()` is a view of the tensor's memory) they are taken in numpy right away (sums of
-float32 data in float32 blocks added in float64: relative error about 1e-7, the precision of the data).
+On CPU (`asnumpy()` is a view of the tensor's memory) they are taken right away, in one compiled pass
+over the memory (`mindmon/one_pass.py`). A float32 tensor of more than 4096 elements is summed in
+float32 blocks added in float64 (relative error about 1e-7, the precision of the data), anything
+smaller in float64.
 Elsewhere each tensor's statistics are reduced on the device into one small vector, the vectors of a
 collection point are stacked, and the host reads everything once, at `collect`.
 
@@ -31,7 +33,8 @@ import numpy as np
 from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
-from ..stats import _BLOCK, _SMALL, _host_array, _squared_norm
+from ..one_pass import reductions
+from ..stats import _SMALL, _host_array
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
@@ -48,77 +51,34 @@ POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EX
 
 
 def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:
-    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order."""
-    if flat.dtype == np.float32 and flat.size > _SMALL:
-        return _blocked_stats(flat, ops, eps)
+    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order: one compiled
+    pass (`one_pass.reductions`); data that is not float32/float64 is taken as float64 first."""
     size = flat.size
-    # ufunc reductions called directly: np.sum/np.min's argument handling costs more than a small array
-    total = float(np.add.reduce(flat, dtype=np.float64)) if size and ("mean" in ops or "nans" in ops) else 0.0
-    out = []
-    for op in ops:
-        if op == "nans":
-            # A NaN makes the sum NaN, so a finite sum proves there is none without another pass.
-            out.append(0.0 if math.isfinite(total) or not size else float(np.count_nonzero(np.isnan(flat))))
-        elif op == "zeros":
-            out.append(float(np.count_nonzero(np.abs(flat) < eps)) / size if size else float("nan"))
-        elif op == "norm":
-            out.append(_norm(flat))
-        elif op == "id":
-            out.append(float(flat[0]) if scalar else float("nan"))
-        elif not size:
-            out.append(float("nan"))
-        elif op == "min":
-            out.append(float(np.minimum.reduce(flat)))  # propagates NaN, as np.min does
-        elif op == "max":
-            out.append(float(np.maximum.reduce(flat)))
-        elif op == "mean":
-            out.append(total / size)
-    return out
-
-
-_ONES = np.ones(_BLOCK, np.float32)
-
-
-def _blocked_stats(flat: np.ndarray, ops: Sequence[str], eps: float) -> List[float]:
-    """A large float32 array, read once: every statistic of a 65536-element block is taken while the
-    block is in cache (six passes over memory cost several times more). Sums and squares are float32
-    BLAS dot products per block (relative error about 1e-7), the blocks added in float64; a block sum
-    that overflows float32 is redone in float64."""
-    want = set(ops)
-    sums, squares, mins, maxs, small = 0.0, 0.0, [], [], 0
-    magnitude, below = np.empty(min(flat.size, _BLOCK), np.float32), np.empty(min(flat.size, _BLOCK), bool)
-    # No np.errstate: BLAS dot products, min/max and comparisons raise no floating-point warnings for
-    # overflow, inf or NaN, and entering errstate per tensor cost more than the statistics of a small one.
-    for start in range(0, flat.size, _BLOCK):
-        block = flat[start:start + _BLOCK]
-        if "mean" in want or "nans" in want:
-            sums += float(np.dot(block, _ONES[:block.size]))
-        if "norm" in want:
-            squares += float(np.dot(block, block))
-        if "min" in want:
-            mins.append(block.min())
-        if "max" in want:
-            maxs.append(block.max())
-        if "zeros" in want:
-            np.less(np.abs(block, out=magnitude[:block.size]), eps, out=below[:block.size])
-            small += int(np.count_nonzero(below[:block.size]))
-    if not math.isfinite(sums):   # overflowed, or inf/NaN inside (which stay what they are)
+    if not size:
+        return [_EMPTY[op] for op in ops]
+    if flat.dtype != np.float32 and flat.dtype != np.float64:
+        flat = flat.astype(np.float64)
+    found = reductions(flat, eps, wide=size <= _SMALL)
+    total = found.total
+    if not math.isfinite(total):   # NaN or +-inf inside, or a float32 block overflowed
         with np.errstate(invalid="ignore"):   # inf + -inf is NaN, as it should be: no warning
-            sums = float(np.add.reduce(flat, dtype=np.float64))
-    values = {"mean": sums / flat.size, "zeros": small / flat.size, "id": float("nan"),
-              "nans": 0.0 if math.isfinite(sums) else float(np.count_nonzero(np.isnan(flat))),
-              "norm": _root(squares, flat) if "norm" in want else 0.0,
-              "min": float(np.minimum.reduce(mins)) if mins else 0.0,   # NaN in any block gives NaN
-              "max": float(np.maximum.reduce(maxs)) if maxs else 0.0}
+            total = float(np.add.reduce(flat, dtype=np.float64))
+    # A NaN makes the sum NaN, so a finite sum proves there is none without another pass.
+    nans = 0 if math.isfinite(total) else int(np.count_nonzero(np.isnan(flat)))
+    values = {"min": math.nan if nans else found.minimum, "max": math.nan if nans else found.maximum,
+              "mean": total / size, "norm": _root(found.squares, flat), "zeros": found.small / size,
+              "nans": float(nans), "id": float(flat[0]) if scalar else math.nan}
     return [values[op] for op in ops]
 
 
-def _norm(flat: np.ndarray) -> float:
-    """L2 norm; float32 squares that overflow are summed again in float64 (inf/NaN data stay what they are)."""
-    return _root(_squared_norm(flat), flat)
+# An empty tensor: no element to take a min, max or mean of; nothing is zero, NaN or large.
+_EMPTY = {"min": math.nan, "max": math.nan, "mean": math.nan, "zeros": math.nan, "norm": 0.0, "nans": 0.0,
+          "id": math.nan}
 
 
 def _root(squared: float, flat: np.ndarray) -> float:
+    """sqrt of a sum of squares; float32 squares that overflowed are summed again in float64 (inf/NaN data
+    stay what they are)."""
     if not math.isfinite(squared) and flat.dtype != np.float64:
         flat64 = flat.astype(np.float64)
         squared = float(np.dot(flat64, flat64))

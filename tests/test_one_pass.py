@@ -1,0 +1,138 @@
+"""`one_pass.reductions` and `numpy_stats` on top of it, against float64 numpy: min and max taken from bit
+patterns (every sign mix, -0.0, infinities, subnormals, the block edges), sums in float32 blocks and
+in float64, counts below eps in the data's precision, NaN and overflow handed back to numpy, and
+every dtype a tensor can have."""
+import math
+
+import numpy as np
+import pytest
+
+from mindmon.monitors.tensor_stats import numpy_stats
+from mindmon.one_pass import reductions
+
+pytestmark = pytest.mark.ms27
+
+ALL = ("min", "max", "mean", "norm", "zeros", "nans")
+
+
+def reference(data: np.ndarray, eps: float) -> dict:
+    flat = data.reshape(-1)
+    wide = flat.astype(np.float64)
+    below = np.abs(flat) < flat.dtype.type(eps) if flat.dtype.kind == "f" else np.abs(wide) < eps
+    return {"min": float(wide.min()), "max": float(wide.max()), "mean": float(wide.sum() / wide.size),
+            "norm": math.sqrt(float(np.dot(wide, wide))), "zeros": np.count_nonzero(below) / flat.size,
+            "nans": float(np.count_nonzero(np.isnan(wide)))}
+
+
+def assert_matches(data: np.ndarray, eps: float = 1e-8, rel: float = 1e-6):
+    got = dict(zip(ALL, numpy_stats(data.reshape(-1), ALL, eps)))
+    want = reference(data, eps)
+    for op in ALL:
+        if math.isnan(want[op]):
+            assert math.isnan(got[op]), (op, got[op])
+        elif op in ("min", "max", "zeros", "nans"):
+            assert got[op] == want[op], (op, got[op], want[op])   # exact: nothing is rounded
+        else:
+            assert got[op] == pytest.approx(want[op], rel=rel, abs=1e-12), (op, got[op], want[op])
+
+
+SIGNS = {
+    "mixed": lambda rng, n: rng.standard_normal(n),
+    "all_positive": lambda rng, n: rng.uniform(0.5, 3.0, n),
+    "all_negative": lambda rng, n: -rng.uniform(0.5, 3.0, n),
+    "negative_and_zero": lambda rng, n: np.minimum(-rng.uniform(0, 3.0, n), 0.0),
+    "tiny_and_subnormal": lambda rng, n: rng.standard_normal(n) * 1e-39,
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [1, 2, 31, 4095, 4096, 4097, 8193, 100_003])
+@pytest.mark.parametrize("signs", SIGNS, ids=str)
+def test_every_statistic_against_float64_numpy(dtype, size, signs):
+    rng = np.random.default_rng(size)
+    data = SIGNS[signs](rng, size).astype(dtype)
+    data[rng.integers(0, size, max(1, size // 50))] = 0.0
+    assert_matches(data)
+
+
+@pytest.mark.parametrize("position", [0, 4095, 4096, 9999])
+def test_the_extremes_are_found_wherever_they_are(position):
+    """The smallest and largest element planted at a block's first, last, and a later block's position."""
+    data = np.linspace(-1.0, 1.0, 10000, dtype=np.float32)[::-1].copy()
+    data[position], data[(position + 1) % data.size] = -7.5, 9.25
+    got = dict(zip(ALL, numpy_stats(data, ("min", "max"), 1e-8)))
+    assert (got["min"], got["max"]) == (-7.5, 9.25)
+
+
+@pytest.mark.parametrize("values, low, high", [
+    ([0.0, -0.0], 0.0, 0.0),
+    ([-0.0], 0.0, 0.0),
+    ([-5.0, -0.0], -5.0, 0.0),
+    ([-np.inf, 1.0, np.inf], -np.inf, np.inf),
+    ([-np.inf, -1.0], -np.inf, -1.0),
+    ([np.inf], np.inf, np.inf),
+    ([1e-45, -1e-45], -1e-45, 1e-45),
+    ([-3.4e38, 3.4e38], -3.4e38, 3.4e38),
+])
+def test_signed_zeros_infinities_and_subnormals(values, low, high):
+    data = np.array(values, np.float32)
+    found = reductions(data, 1e-8, wide=True)
+    assert (found.minimum, found.maximum) == (float(np.float32(low)), float(np.float32(high)))
+    assert math.copysign(1.0, found.minimum) == math.copysign(1.0, float(data.min()) + 0.0)
+
+
+@pytest.mark.parametrize("size", [10, 5000])
+def test_nan_gives_nan_min_max_mean_norm_and_is_counted(size):
+    data = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+    data[[3, size - 1]] = np.nan
+    got = dict(zip(ALL, numpy_stats(data, ALL, 1e-8)))
+    assert all(math.isnan(got[op]) for op in ("min", "max", "mean", "norm"))
+    assert got["nans"] == 2.0
+    assert got["zeros"] == 0.0
+
+
+def test_infinities_of_both_signs_without_nan():
+    data = np.array([1.0, np.inf, -np.inf, 2.0] * 2000, np.float32)
+    got = dict(zip(ALL, numpy_stats(data, ALL, 1e-8)))
+    assert (got["min"], got["max"], got["nans"], got["norm"]) == (-np.inf, np.inf, 0.0, np.inf)
+    assert math.isnan(got["mean"])
+
+
+def test_float32_block_sums_that_overflow_are_redone_in_float64():
+    """8192 elements of 1e38: each float32 block sum overflows, the float64 sums do not."""
+    data = np.full(8192, 1e38, np.float32)
+    data[::2] = 3e38
+    assert_matches(data)
+
+
+def test_large_float32_arrays_sum_to_float32_precision():
+    """Over 4096 elements the sums are float32 per 4096-element block: relative error about 1e-7."""
+    rng = np.random.default_rng(5)
+    data = (rng.standard_normal(1_000_003) + 0.01).astype(np.float32)
+    found = reductions(data, 1e-8, wide=False)
+    wide = data.astype(np.float64)
+    assert found.total == pytest.approx(wide.sum(), rel=1e-5)
+    assert found.squares == pytest.approx(np.dot(wide, wide), rel=1e-6)
+
+
+def test_zeros_compare_in_the_data_precision():
+    """eps = 1e-8 is rounded to float32 for float32 data, as numpy compares a float32 array with it."""
+    edge = np.float32(1e-8)
+    data = np.array([edge, np.nextafter(edge, np.float32(0)), -edge, 0.0, 1.0] * 1000, np.float32)
+    got = numpy_stats(data, ("zeros",), 1e-8)[0]
+    assert got == np.count_nonzero(np.abs(data) < edge) / data.size == 0.4
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.int64, np.int8, np.uint8, np.bool_])
+def test_other_dtypes_are_taken_as_float64(dtype):
+    data = (np.arange(-600, 600) % 7 - 3).astype(dtype)
+    assert_matches(data, eps=0.5)
+
+
+def test_the_float32_and_float64_sums_of_one_array_agree():
+    """The same data through both block widths: they differ only by float32 rounding."""
+    data = np.random.default_rng(9).standard_normal(50_000).astype(np.float32)
+    narrow, wide = reductions(data, 1e-8, wide=False), reductions(data, 1e-8, wide=True)
+    assert (narrow.minimum, narrow.maximum, narrow.small) == (wide.minimum, wide.maximum, wide.small)
+    assert narrow.total == pytest.approx(wide.total, rel=1e-4, abs=1e-3)
+    assert wide.total == pytest.approx(float(data.astype(np.float64).sum()), rel=1e-12)
