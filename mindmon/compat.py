@@ -97,8 +97,21 @@ def register_gradient_hook(tensor, hook):
 
 def dtype_name(dtype) -> str:
     """MindSpore's name of a dtype, `Float32` (what msprobe's CSV files hold). mindnlp makes `str()` of a
-    dtype its repr, `mindspore.float32`; that is turned back into the name."""
-    text = str(dtype)
+    dtype its repr, `mindspore.float32`; that is turned back into the name. Remembered per dtype: it is
+    asked for every tensor a hook sees, and `str()` of a dtype costs twice a dictionary look-up."""
+    try:
+        name = _DTYPE_NAMES.get(dtype)
+    except TypeError:   # not hashable: nothing to remember it by
+        return _name_of(str(dtype))
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = _name_of(str(dtype))
+    return name
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _name_of(text: str) -> str:
     if not text.startswith("mindspore."):
         return text
     name = text[len("mindspore."):].rstrip("_")

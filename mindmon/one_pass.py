@@ -15,7 +15,7 @@ numba is imported, and the loop compiled (cached on disk), on the first call: co
 these statistics never pays for it.
 """
 import functools
-from typing import NamedTuple
+from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 
@@ -32,14 +32,19 @@ class Reductions(NamedTuple):
 
 
 _BIT_VIEWS = {4: (np.int32, np.uint32), 8: (np.int64, np.uint64)}
+_WIDE_ZERO = np.float64(0)
+# numpy scalars of eps and 0 per (dtype, eps): making them costs a microsecond per tensor otherwise
+_SCALARS: Dict[Tuple[np.dtype, float], Tuple[np.generic, np.generic]] = {}
 
 
 def reductions(flat: np.ndarray, eps: float, wide: bool) -> Reductions:
     """One pass over a non-empty flat float32 or float64 array; `wide`: per-block sums in float64."""
     signed, unsigned = _BIT_VIEWS[flat.dtype.itemsize]
-    scalar = flat.dtype.type
-    return Reductions(*_compiled()(flat, flat.view(signed), flat.view(unsigned), scalar(eps),
-                                   np.float64(0) if wide else scalar(0)))
+    scalars = _SCALARS.get((flat.dtype, eps))
+    if scalars is None:
+        scalars = _SCALARS[(flat.dtype, eps)] = (flat.dtype.type(eps), flat.dtype.type(0))
+    return Reductions(*_compiled()(flat, flat.view(signed), flat.view(unsigned), scalars[0],
+                                   _WIDE_ZERO if wide else scalars[1]))
 
 
 @functools.lru_cache(maxsize=None)

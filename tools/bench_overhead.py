@@ -504,6 +504,9 @@ def _main_configs(work: Workload, out_dir: Path, only: Optional[List[str]] = Non
                                                host_sync_norms=True),
         "tensor_stats": lambda: TensorStatsConfiguration("tensor_stats", work.size, out_dir, PARAMETER_STATS),
         "activations": lambda: TensorStatsConfiguration("activations", work.size, out_dir, ACTIVATIONS),
+        # the same hooks attached, no step collected: what MindSpore's cell hooks cost by themselves
+        "activations_idle": lambda: TensorStatsConfiguration("activations_idle", work.size, out_dir,
+                                                             {**ACTIVATIONS, "start_step": 10 ** 9}),
         "l2_features": lambda: L2Configuration("l2_features", work.size, out_dir),
     }
     wanted = {"off", "train_state", *only} if only else set(makers)
