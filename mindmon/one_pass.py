@@ -14,7 +14,6 @@ this loop (numba, LLVM's vectoriser). Two choices let it vectorise:
 numba is imported, and the loop compiled (cached on disk), on the first call: code that never takes
 these statistics never pays for it.
 """
-import functools
 from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
@@ -43,44 +42,55 @@ def reductions(flat: np.ndarray, eps: float, wide: bool) -> Reductions:
     scalars = _SCALARS.get((flat.dtype, eps))
     if scalars is None:
         scalars = _SCALARS[(flat.dtype, eps)] = (flat.dtype.type(eps), flat.dtype.type(0))
-    return Reductions(*_compiled()(flat, flat.view(signed), flat.view(unsigned), scalars[0],
-                                   _WIDE_ZERO if wide else scalars[1]))
+    total, squares, small, minimum, maximum = _compiled()(flat, flat.view(signed), flat.view(unsigned),
+                                                          scalars[0], _WIDE_ZERO if wide else scalars[1])
+    # + 0.0 in Python (the loop may drop it: nsz): -0.0 becomes 0.0, as numpy's min/max of [0.0, -0.0] give
+    return Reductions(total, squares, small, minimum + 0.0, maximum + 0.0)
 
 
-@functools.lru_cache(maxsize=None)
+_kernel = None
+
+
 def _compiled():
-    import numba
+    """`_one_pass` compiled by numba (once per process; cached on disk across processes)."""
+    global _kernel
+    if _kernel is None:
+        import numba
 
-    # Reassociation lets the sums use vector lanes; no nnan/ninf: NaN and inf keep their meaning; no nsz:
-    # the last line's + 0.0 turns -0.0 into 0.0, as numpy's min/max of [0.0, -0.0] give.
-    @numba.njit(fastmath={"reassoc", "contract", "arcp"}, nogil=True, cache=True, boundscheck=False)
-    def one_pass(values, signed, unsigned, eps, zero):
-        total = squares = 0.0
-        small = 0
-        signed_max, unsigned_min, unsigned_max = signed[0], unsigned[0], unsigned[0]
-        for start in range(0, values.size, _BLOCK):
-            block_total, block_squares, block_small = zero, zero, np.float32(0)   # 4096 counts exactly
-            for i in range(start, min(start + _BLOCK, values.size)):
-                value = values[i]
-                block_total += value
-                block_squares += value * value
-                block_small += np.float32(abs(value) < eps)
-                signed_max = signed[i] if signed[i] > signed_max else signed_max
-                unsigned_min = unsigned[i] if unsigned[i] < unsigned_min else unsigned_min
-                unsigned_max = unsigned[i] if unsigned[i] > unsigned_max else unsigned_max
-            total += block_total
-            squares += block_squares
-            small += int(block_small)
-        extremes = np.empty(2, unsigned.dtype)   # [min, max] as bit patterns; separate stores: no int/uint mix
-        if unsigned_max >> (8 * values.itemsize - 1):   # the sign bit: the most negative element
-            extremes[0] = unsigned_max
-        else:
-            extremes[0] = unsigned_min
-        if signed_max >= 0:
-            extremes[1] = signed_max
-        else:                                            # every element negative: the one nearest 0
-            extremes[1] = unsigned_min
-        minimum, maximum = extremes.view(values.dtype)
-        return total, squares, small, minimum + 0.0, maximum + 0.0
+        # Reassociation lets the sums use vector lanes, nsz drops the widening of float32 values into
+        # float32 sums; no nnan/ninf: NaN and inf keep their meaning.
+        _kernel = numba.njit(fastmath={"reassoc", "contract", "arcp", "nsz"}, nogil=True, cache=True,
+                             boundscheck=False)(_one_pass)
+    return _kernel
 
-    return one_pass
+
+def _one_pass(values, signed, unsigned, eps, zero):
+    """The loop numba compiles (plain Python here, so it also runs as written with NUMBA_DISABLE_JIT=1)."""
+    total = squares = 0.0
+    small = 0
+    signed_max, unsigned_min, unsigned_max = signed[0], unsigned[0], unsigned[0]
+    for start in range(0, values.size, _BLOCK):
+        block_total, block_squares, block_small = zero, zero, np.float32(0)   # 4096 counts exactly
+        for i in range(start, min(start + _BLOCK, values.size)):
+            value = values[i]
+            widened = zero + value   # in the sums' precision before it is squared
+            block_total += widened
+            block_squares += widened * widened
+            block_small += np.float32(abs(value) < eps)
+            signed_max = signed[i] if signed[i] > signed_max else signed_max
+            unsigned_min = unsigned[i] if unsigned[i] < unsigned_min else unsigned_min
+            unsigned_max = unsigned[i] if unsigned[i] > unsigned_max else unsigned_max
+        total += block_total
+        squares += block_squares
+        small += int(block_small)
+    extremes = np.empty(2, unsigned.dtype)   # [min, max] as bit patterns; separate stores: no int/uint mix
+    if unsigned_max >> np.uint8(8 * values.itemsize - 1):   # the sign bit: the most negative element
+        extremes[0] = unsigned_max
+    else:
+        extremes[0] = unsigned_min
+    if signed_max >= 0:
+        extremes[1] = signed_max
+    else:                                            # every element negative: the one nearest 0
+        extremes[1] = unsigned_min
+    minimum, maximum = extremes.view(values.dtype)
+    return total, squares, small, minimum, maximum

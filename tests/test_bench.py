@@ -15,7 +15,8 @@ from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_bat
 from mindmon.demo.data import make_sequences
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats", "activations", "l2_features"]
+CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats", "activations", "activations_idle",
+           "l2_features"]
 K = 2  # micro-steps per step in the benchmark's --tiny size
 
 
@@ -61,6 +62,9 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
         assert sum(1 for _ in handle) == 1 + tensors
     actv = glob.glob(str(tmp_path / "monitor" / "activations" / "*-rank0-*" / "actv_[0-9]*.csv"))
     assert len(actv) == 4 and rows["activations"]["in_mindmon_ms_per_step"] > 0
+    # activations_idle: the same hooks run but collect nothing, so no statistics file is written
+    assert not glob.glob(str(tmp_path / "monitor" / "activations_idle" / "**" / "actv*.csv"), recursive=True)
+    assert 0 < rows["activations_idle"]["in_mindmon_ms_per_step"] < rows["activations"]["in_mindmon_ms_per_step"]
     l2 = read_jsonl(tmp_path / "monitor" / "l2_features" / "rank_0" / "metrics.jsonl")
     assert {r["kind"] for r in l2} >= {"attention_hook", "linear_hook"} and rows["l2_features"]["in_mindmon_ms_per_step"] > 0
 

@@ -24,16 +24,24 @@ def reference(data: np.ndarray, eps: float) -> dict:
             "nans": float(np.count_nonzero(np.isnan(wide)))}
 
 
-def assert_matches(data: np.ndarray, eps: float = 1e-8, rel: float = 1e-6):
+def assert_matches(data: np.ndarray, eps: float = 1e-8):
     got = dict(zip(ALL, numpy_stats(data.reshape(-1), ALL, eps)))
     want = reference(data, eps)
+    # float32 sums of up to 4096 elements per block: an error of a few float32 roundings of the block's
+    # magnitude (in the compiled loop's vector lanes fewer; run as plain Python, one after another).
+    # Everything else is summed in float64.
+    narrow = data.dtype == np.float32 and data.size > 4096
+    magnitude = float(np.abs(data.astype(np.float64)).mean()) if data.size else 0.0
     for op in ALL:
         if math.isnan(want[op]):
             assert math.isnan(got[op]), (op, got[op])
         elif op in ("min", "max", "zeros", "nans"):
             assert got[op] == want[op], (op, got[op], want[op])   # exact: nothing is rounded
+        elif op == "mean":
+            tolerance = (1e-5 if narrow else 1e-12) * magnitude
+            assert abs(got[op] - want[op]) <= tolerance, (op, got[op], want[op])
         else:
-            assert got[op] == pytest.approx(want[op], rel=rel, abs=1e-12), (op, got[op], want[op])
+            assert got[op] == pytest.approx(want[op], rel=1e-5 if narrow else 1e-12), (op, got[op], want[op])
 
 
 SIGNS = {
