@@ -59,8 +59,11 @@ def _compiled():
 
         # Reassociation lets the sums use vector lanes, nsz drops the widening of float32 values into
         # float32 sums; no nnan/ninf: NaN and inf keep their meaning.
-        _kernel = numba.njit(fastmath={"reassoc", "contract", "arcp", "nsz"}, nogil=True, cache=True,
-                             boundscheck=False)(_one_pass)
+        options = dict(fastmath={"reassoc", "contract", "arcp", "nsz"}, nogil=True, boundscheck=False)
+        try:
+            _kernel = numba.njit(cache=True, **options)(_one_pass)
+        except RuntimeError:   # nowhere writable to cache it (read-only install, no home): compile per process
+            _kernel = numba.njit(cache=False, **options)(_one_pass)
     return _kernel
 
 

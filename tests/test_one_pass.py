@@ -144,3 +144,17 @@ def test_the_float32_and_float64_sums_of_one_array_agree():
     assert (narrow.minimum, narrow.maximum, narrow.small) == (wide.minimum, wide.maximum, wide.small)
     assert narrow.total == pytest.approx(wide.total, rel=1e-4, abs=1e-3)
     assert wide.total == pytest.approx(float(data.astype(np.float64).sum()), rel=1e-12)
+
+
+def test_compiles_without_a_writable_cache(monkeypatch):
+    """No cache location numba can write to (a read-only install and home): the loop is compiled for the
+    process instead, and the numbers are the same."""
+    from numba.core import caching
+
+    from mindmon import one_pass
+
+    monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [])
+    monkeypatch.setattr(one_pass, "_kernel", None)
+    data = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+    assert_matches(data)
+    assert isinstance(one_pass._kernel._cache, caching.NullCache)   # compiled, not cached
