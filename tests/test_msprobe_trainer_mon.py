@@ -340,3 +340,14 @@ def test_generate_wgrad_metrics_inside_a_step(tmp_path, output_root):
         expected = reference[("grad_unreduced", 0, None, name)]
         assert set(unreduced[name]) == {"min", "max", "mean", "norm"}
         assert math.isclose(unreduced[name]["norm"], statistic(expected, "norm"), rel_tol=RTOL)
+
+
+def test_gradient_sums_memory_is_given_back_when_monitoring_stops(tmp_path, output_root):
+    """The host sums of the gradients are kept from step to step while collecting (their values are
+    checked by the tests above over several steps) and released once collect_times is reached."""
+    config = dict(WEIGHT_GRADIENTS, collect_times=2)
+    monitor = msprobe_loop(TrainerMon, write_config(tmp_path, config), steps=1)
+    assert len(monitor._sums._buffers) == len(NAMES)   # step 0 collected, step 1 will be: one per parameter
+    monitor.close()
+    monitor = msprobe_loop(TrainerMon, write_config(tmp_path, config), steps=2)
+    assert monitor._sums._buffers == {}                # steps 0 and 1 collected: collect_times reached

@@ -75,3 +75,8 @@ class GradientSums:
         self._counts.clear()
         self._sums.clear()
         self._direct = None   # the execution mode is read again in the next step
+
+    def release(self) -> None:
+        """Monitoring stopped: the host sums' memory (a copy of every monitored gradient) is given back."""
+        self.clear()
+        self._buffers.clear()

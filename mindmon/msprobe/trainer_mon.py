@@ -324,6 +324,7 @@ class TrainerMon:
         self._activations = self._struct = self._stacks = None
         self._hooked_cells = 0
         self._running = self._collecting = False
+        self._sums.release()
 
     def _gradient_hook(self, index: int, name: str):
         def hook(grad):
