@@ -18,6 +18,10 @@ Configurations:
     host_sync_ref       REFERENCE, benchmark only: train_state's records, but each parameter's norm taken
                         by a MindSpore op and turned into a Python float in the record call (one host
                         sync per parameter per micro-step, as the upstream MindFormers hook does)
+    tensor_stats        msprobe's TrainerMon statistics (six ops) of every parameter, gradient and Adam moment
+    activations         msprobe's TrainerMon statistics of every cell's inputs and outputs and their gradients
+    activations_idle    the same cell hooks attached but no step collected: MindSpore's cost of the hooks
+    l2_features         attention entropy / softmax max and stable rank of every attention and linear cell
 The scaling run repeats off / train_state at several layer counts.
 """
 import argparse
