@@ -4,6 +4,7 @@ in float64, counts below eps in the data's precision, NaN and overflow handed ba
 every dtype a tensor can have."""
 import math
 
+import numba
 import numpy as np
 import pytest
 
@@ -189,3 +190,14 @@ def test_nan_of_either_sign_makes_min_and_max_nan(dtype, size, sign):
     assert math.copysign(1.0, data[size // 3]) == sign
     low, high, nans = numpy_stats(data, ("min", "max", "nans"), 1e-8)
     assert math.isnan(low) and math.isnan(high) and nans == 1.0
+
+
+@pytest.mark.skipif(numba.config.DISABLE_JIT, reason="nothing is compiled with NUMBA_DISABLE_JIT=1")
+def test_the_loop_is_cached_on_disk_where_numba_can_write(monkeypatch):
+    """Compiled once, then loaded from numba's disk cache by later processes (seconds saved at each start)."""
+    from numba.core import caching
+
+    monkeypatch.setattr(one_pass, "_kernel", None)
+    data = np.random.default_rng(4).standard_normal(5000).astype(np.float32)
+    assert_matches(data)
+    assert not isinstance(one_pass._kernel._cache, caching.NullCache)
