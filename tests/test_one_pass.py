@@ -4,10 +4,12 @@ in float64, counts below eps in the data's precision, NaN and overflow handed ba
 every dtype a tensor can have."""
 import math
 
+import numba
 import numpy as np
 import pytest
 
 from mindmon.monitors.tensor_stats import numpy_stats
+from mindmon import one_pass
 from mindmon.one_pass import reductions
 
 pytestmark = pytest.mark.ms27
@@ -86,7 +88,9 @@ def test_signed_zeros_infinities_and_subnormals(values, low, high):
     data = np.array(values, np.float32)
     found = reductions(data, 1e-8, wide=True)
     assert (found.minimum, found.maximum) == (float(np.float32(low)), float(np.float32(high)))
+    # numpy's min/max of [0.0, -0.0] can be either zero; reductions gives +0.0 for both, never -0.0
     assert math.copysign(1.0, found.minimum) == math.copysign(1.0, float(data.min()) + 0.0)
+    assert math.copysign(1.0, found.maximum) == math.copysign(1.0, float(data.max()) + 0.0)
 
 
 @pytest.mark.parametrize("size", [10, 5000])
@@ -146,6 +150,60 @@ def test_the_float32_and_float64_sums_of_one_array_agree():
     assert wide.total == pytest.approx(float(data.astype(np.float64).sum()), rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype, size", [(np.float32, 100), (np.float32, 5000), (np.float64, 5000)])
+def test_a_dtype_and_eps_not_seen_before(monkeypatch, dtype, size):
+    """As in a fresh process (no eps or zero scalars remembered): the pair asked for is made and used,
+    on both sum widths, against float64 numpy."""
+    monkeypatch.setattr(one_pass, "_SCALARS", {})
+    data = np.random.default_rng(size).uniform(-1.0, 1.0, size).astype(dtype)
+    wide64 = data.astype(np.float64)
+    for wide in (False, True):
+        found = reductions(data, 0.25, wide)
+        rel = 1e-5 if dtype == np.float32 and not wide else 1e-12
+        assert found.small == np.count_nonzero(np.abs(wide64) < 0.25) > 0
+        assert found.total == pytest.approx(wide64.sum(), rel=rel)
+        assert found.squares == pytest.approx(np.dot(wide64, wide64), rel=rel)
+        assert (found.minimum, found.maximum) == (wide64.min(), wide64.max())
+
+
+def test_narrow_sums_are_float32_numbers_and_wide_ones_exact():
+    """wide=False keeps a block's sums in float32, whatever order the loop adds in: 4095 copies of
+    float32(0.1) sum to a number no float32 holds (409.5000061...), so the narrow total is a float32
+    rounding of it; in float64 every partial sum is exact (36 significant bits)."""
+    data = np.full(4095, 0.1, np.float32)
+    exact = 4095 * float(data[0])
+    assert float(np.float32(exact)) != exact
+    narrow, wide = reductions(data, 1e-8, wide=False), reductions(data, 1e-8, wide=True)
+    assert float(np.float32(narrow.total)) == narrow.total == pytest.approx(exact, rel=1e-4)   # 4095 roundings
+    assert float(np.float32(narrow.squares)) == narrow.squares
+    assert wide.total == exact
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [50, 5000])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["plus_nan", "minus_nan"])
+def test_nan_of_either_sign_makes_min_and_max_nan(dtype, size, sign):
+    """A NaN made by arithmetic (inf - inf on x86) has its sign bit set: as a bit pattern it sorts among the
+    most negative numbers, a NaN with the sign bit clear among the largest; min and max are NaN for both."""
+    data = np.random.default_rng(size).standard_normal(size).astype(dtype)
+    data[size // 3] = np.copysign(dtype(np.nan), dtype(sign))
+    assert math.copysign(1.0, data[size // 3]) == sign
+    low, high, nans = numpy_stats(data, ("min", "max", "nans"), 1e-8)
+    assert math.isnan(low) and math.isnan(high) and nans == 1.0
+
+
+@pytest.mark.skipif(numba.config.DISABLE_JIT, reason="nothing is compiled with NUMBA_DISABLE_JIT=1")
+def test_the_loop_is_cached_on_disk_where_numba_can_write(monkeypatch):
+    """Compiled once, then loaded from numba's disk cache by later processes (seconds saved at each start)."""
+    from numba.core import caching
+
+    monkeypatch.setattr(one_pass, "_kernel", None)
+    data = np.random.default_rng(4).standard_normal(5000).astype(np.float32)
+    assert_matches(data)
+    assert not isinstance(one_pass._kernel._cache, caching.NullCache)
+
+
+@pytest.mark.skipif(numba.config.DISABLE_JIT, reason="nothing is compiled with NUMBA_DISABLE_JIT=1")
 def test_compiles_without_a_writable_cache(monkeypatch):
     """No cache location numba can write to (a read-only install and home): the loop is compiled for the
     process instead, and the numbers are the same."""
