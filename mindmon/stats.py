@@ -69,14 +69,14 @@ _DTYPES: Dict[str, np.dtype] = {name: np.dtype(code) for name, code in (
     ("Int16", "<i2"), ("Int8", "|i1"), ("UInt8", "|u1"), ("Bool", "|b1"))}
 
 
-def _direct_view(tensor, dtype_name: str):
+def _direct_view(tensor, name: str):
     """A flat numpy view of a CPU tensor's memory from its data pointer (which includes the storage
     offset), or None where `asnumpy()` is needed (non-contiguous views, lazily initialised Parameters,
     other dtypes). Why: `asnumpy()` builds its array through a PEP 3118 buffer whose format string numpy
     parses in Python, 40-100 us per call, which for activations (thousands of tensors per step) was a
     large share of the monitor's time; this view costs a few microseconds (a ctypes buffer at the
     address: half the time of numpy's array interface)."""
-    dtype = _DTYPES.get(dtype_name)
+    dtype = _DTYPES.get(name)   # `name`: the tensor's dtype as `dtype_name` gives it
     if (dtype is None or not hasattr(tensor, "_data_ptr") or getattr(tensor, "has_init", False)
             or not tensor.is_contiguous()):
         return None
