@@ -11,8 +11,9 @@ this loop (numba, LLVM's vectoriser). Two choices let it vectorise:
   relative error about 1e-7, the precision of the data; float64 for a small one), blocks added in
   float64.
 
-numba is imported, and the loop compiled (cached on disk), on the first call: code that never takes
-these statistics never pays for it.
+`reductions` takes a numpy array, `reductions_at` memory at an address (a CPU tensor's data pointer: no
+array is built around it). numba is imported, and the loop compiled (`one_pass_jit`, cached on disk), on
+the first call: code that never takes these statistics never pays for it.
 """
 from typing import Dict, NamedTuple, Tuple
 
@@ -39,32 +40,48 @@ _SCALARS: Dict[Tuple[np.dtype, float], Tuple[np.generic, np.generic]] = {}
 def reductions(flat: np.ndarray, eps: float, wide: bool) -> Reductions:
     """One pass over a non-empty flat float32 or float64 array; `wide`: per-block sums in float64."""
     signed, unsigned = _BIT_VIEWS[flat.dtype.itemsize]
-    scalars = _SCALARS.get((flat.dtype, eps))
+    eps_value, zero = _scalars(flat.dtype, eps, wide)
+    return _found(*_compiled().array_loop(flat, flat.view(signed), flat.view(unsigned), eps_value, zero))
+
+
+# What `reductions_at` writes, by code: the index of each name here.
+ROW_STATISTICS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
+
+
+def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, rows: np.ndarray
+                  ) -> np.ndarray:
+    """The statistics of many float32 tensors in one call, from their memory: `table` is int64 [tensors, 3],
+    each (row, address, size > 0), memory the caller keeps alive and unchanged during the call (CPU
+    tensors' data pointers); arrays of at most `small_size` elements are summed wide. Row `row` of `rows`
+    gets the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf: the table
+    positions of those are returned, for the caller to take with NaN rules."""
+    return _compiled().float32_at(table, _scalars(np.dtype(np.float32), eps, True)[0], small_size, codes, rows)
+
+
+def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:
+    """eps in the data's precision (what |x| < eps compares), and the zero the block sums start from."""
+    scalars = _SCALARS.get((dtype, eps))
     if scalars is None:
-        scalars = _SCALARS[(flat.dtype, eps)] = (flat.dtype.type(eps), flat.dtype.type(0))
-    total, squares, small, minimum, maximum = _compiled()(flat, flat.view(signed), flat.view(unsigned),
-                                                          scalars[0], _WIDE_ZERO if wide else scalars[1])
+        scalars = _SCALARS[(dtype, eps)] = (dtype.type(eps), dtype.type(0))
+    return scalars[0], _WIDE_ZERO if wide else scalars[1]
+
+
+def _found(total, squares, small, minimum, maximum) -> Reductions:
     # + 0.0 in Python (the loop may drop it: nsz): -0.0 becomes 0.0, as numpy's min/max of [0.0, -0.0] give
     return Reductions(total, squares, small, minimum + 0.0, maximum + 0.0)
 
 
-_kernel = None
+_compiled_module = None
 
 
 def _compiled():
-    """`_one_pass` compiled by numba (once per process; cached on disk across processes)."""
-    global _kernel
-    if _kernel is None:
-        import numba
+    """`mindmon.one_pass_jit`: the loop compiled by numba (imported once per process, cached on disk)."""
+    global _compiled_module
+    if _compiled_module is None:
+        from . import one_pass_jit
 
-        # Reassociation lets the sums use vector lanes, nsz drops the widening of float32 values into
-        # float32 sums; no nnan/ninf: NaN and inf keep their meaning.
-        options = dict(fastmath={"reassoc", "contract", "arcp", "nsz"}, nogil=True, boundscheck=False)
-        try:
-            _kernel = numba.njit(cache=True, **options)(_one_pass)
-        except RuntimeError:   # nowhere writable to cache it (read-only install, no home): compile per process
-            _kernel = numba.njit(cache=False, **options)(_one_pass)
-    return _kernel
+        _compiled_module = one_pass_jit
+    return _compiled_module
 
 
 def _one_pass(values, signed, unsigned, eps, zero):
@@ -97,3 +114,28 @@ def _one_pass(values, signed, unsigned, eps, zero):
         extremes[1] = unsigned_min
     minimum, maximum = extremes.view(values.dtype)
     return total, squares, small, minimum, maximum
+
+
+def _statistics_row(found, size, codes, row) -> bool:
+    """`_one_pass`'s result as the statistics `codes` name, into `row`; False (nothing written) when a sum is
+    not finite. The arithmetic is `numpy_stats`' (compiled without fastmath: the same numbers)."""
+    total, squares, small, minimum, maximum = found
+    if not (np.isfinite(total) and np.isfinite(squares)):
+        return False
+    for j in range(codes.size):
+        code = codes[j]
+        if code == 0:
+            row[j] = minimum + 0.0   # -0.0 becomes 0.0, as numpy's min/max of [0.0, -0.0] give
+        elif code == 1:
+            row[j] = maximum + 0.0
+        elif code == 2:
+            row[j] = total / size
+        elif code == 3:
+            row[j] = np.sqrt(squares)
+        elif code == 4:
+            row[j] = small / size
+        elif code == 5:
+            row[j] = 0.0             # a finite sum: no NaN
+        else:
+            row[j] = np.nan          # `id` is a 0-dim tensor's value; these have a dimension
+    return True

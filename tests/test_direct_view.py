@@ -83,3 +83,64 @@ def test_a_view_keeps_its_tensor_alive_and_bfloat16_is_copied():
     assert _direct_view(bf16, str(bf16.dtype)) is None
     copy = _host_array(bf16, direct=True)
     assert copy.dtype == np.float64 and copy.tolist() == bf16.astype(ms.float32).asnumpy().astype(np.float64).tolist()
+
+
+def _numpy_reference(array: np.ndarray) -> list:
+    flat = array.reshape(-1).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        nans = np.isnan(flat)
+        if nans.any():
+            low = high = float("nan")
+        else:
+            low, high = flat.min(), flat.max()
+        return [low, high, flat.sum() / flat.size, np.sqrt(np.dot(flat, flat)),
+                np.count_nonzero(np.abs(array.reshape(-1)) < array.dtype.type(1e-8) if array.dtype.kind == "f"
+                                 else np.abs(flat) < 1e-8) / flat.size,
+                float(np.count_nonzero(nans))]
+
+
+def test_float_tensors_are_read_at_their_address_and_everything_else_as_before(monkeypatch):
+    """Float32 tensors go to the compiled loop by data pointer, no numpy array built, unless the sum shows
+    NaN or inf (then their view is read again, with numpy's NaN rules); other dtypes, strided views and
+    0-dim tensors take `numpy_stats` as before. Every case against float64 numpy."""
+    from mindmon.monitors import tensor_stats
+
+    arrays = []
+    original = tensor_stats._direct_view
+    monkeypatch.setattr(tensor_stats, "_direct_view", lambda *args: arrays.append(args[1]) or original(*args))
+    rng = np.random.default_rng(7)
+    base = ms.Tensor(rng.standard_normal((6, 5000)).astype(np.float32))
+    with_nan = rng.standard_normal(3000)
+    with_nan[17] = np.nan
+    float32_nan = rng.standard_normal(9000).astype(np.float32)
+    float32_nan[8999] = np.nan
+    with_inf = rng.standard_normal(50).astype(np.float32)
+    with_inf[3] = np.inf
+    cases = {
+        "float32": (base, False),
+        "float64": (ms.Tensor(rng.standard_normal(777)), False),
+        "rows 2-3 of a matrix (offset pointer)": (mint.narrow(base, 0, 2, 2), False),
+        "strided columns": (mint.narrow(base, 1, 10, 20), False),
+        "float64 with a NaN": (ms.Tensor(with_nan), False),
+        "float32 with a NaN": (ms.Tensor(float32_nan), True),
+        "float32 with inf": (ms.Tensor(with_inf), True),
+        "0-dim": (ms.Tensor(np.float32(-2.5)), False),
+        "float16": (ms.Tensor(rng.standard_normal(300).astype(np.float16)), False),
+        "int32": (ms.Tensor(np.array([3, -1, 0, 4], np.int32)), False),
+    }
+    ops = ("min", "max", "mean", "norm", "zeros", "nans")
+    for label, (tensor, reads_again) in cases.items():
+        arrays.clear()
+        stats = TensorStats(ops, 1e-8, on_host=True)
+        stats.add("actv", [("x", tensor)])
+        got = stats.results()[0][4][0].tolist()
+        want = _numpy_reference(tensor.asnumpy())
+        assert np.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True), (label, got, want)
+        assert bool(arrays) == reads_again, (label, arrays)
+    # All at once (one add, as a hook's inputs and outputs come): each row is its own tensor's, whatever
+    # dtype or path its neighbours take.
+    stats = TensorStats(ops, 1e-8, on_host=True)
+    stats.add("actv", [(label, tensor) for label, (tensor, _) in cases.items()])
+    for label, got in zip(cases, stats.results()[0][4].tolist()):
+        want = _numpy_reference(cases[label][0].asnumpy())
+        assert np.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True), (label, got, want)

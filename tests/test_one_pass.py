@@ -10,7 +10,7 @@ import pytest
 
 from mindmon.monitors.tensor_stats import numpy_stats
 from mindmon import one_pass
-from mindmon.one_pass import reductions
+from mindmon.one_pass import reductions, reductions_at
 
 pytestmark = pytest.mark.ms27
 
@@ -192,27 +192,82 @@ def test_nan_of_either_sign_makes_min_and_max_nan(dtype, size, sign):
     assert math.isnan(low) and math.isnan(high) and nans == 1.0
 
 
+@pytest.fixture
+def fresh_compilation(monkeypatch):
+    """`one_pass_jit` imported again (new dispatchers, as in a new process), and again after the test, so
+    that a patched numba does not stay in the compiled loops other tests use."""
+    import importlib
+
+    from mindmon import one_pass_jit
+
+    yield lambda: monkeypatch.setattr(one_pass, "_compiled_module", importlib.reload(one_pass_jit))
+    monkeypatch.undo()
+    importlib.reload(one_pass_jit)
+    one_pass._compiled_module = one_pass_jit
+
+
+ROW = ("min", "max", "mean", "norm", "zeros", "nans", "id")
+
+
+def by_address(arrays, eps: float = 1e-8, small_size: int = 4096, ops=ROW):
+    """`reductions_at` over the arrays' memory: (rows in `ops` order, positions it left to the caller)."""
+    rows = np.full((len(arrays), len(ops)), -7.0)
+    table = np.array([(k, a.ctypes.data, a.size) for k, a in enumerate(arrays)], dtype=np.int64)
+    redo = reductions_at(table, eps, small_size, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), rows)
+    return rows, redo.tolist()
+
+
+def both_forms_match(data: np.ndarray):
+    """The array form (through numpy_stats) and the address form give float64 numpy's numbers."""
+    assert_matches(data)
+    rows, redo = by_address([data], small_size=0)
+    assert redo == [] and rows[0].tolist()[:6] == numpy_stats(data, ALL, 1e-8) and math.isnan(rows[0][6])
+
+
 @pytest.mark.skipif(numba.config.DISABLE_JIT, reason="nothing is compiled with NUMBA_DISABLE_JIT=1")
-def test_the_loop_is_cached_on_disk_where_numba_can_write(monkeypatch):
+def test_the_loop_is_cached_on_disk_where_numba_can_write(fresh_compilation):
     """Compiled once, then loaded from numba's disk cache by later processes (seconds saved at each start)."""
     from numba.core import caching
 
-    monkeypatch.setattr(one_pass, "_kernel", None)
-    data = np.random.default_rng(4).standard_normal(5000).astype(np.float32)
-    assert_matches(data)
-    assert not isinstance(one_pass._kernel._cache, caching.NullCache)
+    fresh_compilation()
+    both_forms_match(np.random.default_rng(4).standard_normal(5000).astype(np.float32))
+    compiled = one_pass._compiled()
+    for loop in (compiled.array_loop, compiled.statistics_row, compiled.float32_at):
+        assert not isinstance(loop._cache, caching.NullCache)
 
 
 @pytest.mark.skipif(numba.config.DISABLE_JIT, reason="nothing is compiled with NUMBA_DISABLE_JIT=1")
-def test_compiles_without_a_writable_cache(monkeypatch):
+def test_compiles_without_a_writable_cache(monkeypatch, fresh_compilation):
     """No cache location numba can write to (a read-only install and home): the loop is compiled for the
     process instead, and the numbers are the same."""
     from numba.core import caching
 
-    from mindmon import one_pass
-
     monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [])
-    monkeypatch.setattr(one_pass, "_kernel", None)
-    data = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
-    assert_matches(data)
-    assert isinstance(one_pass._kernel._cache, caching.NullCache)   # compiled, not cached
+    fresh_compilation()
+    both_forms_match(np.random.default_rng(3).standard_normal(5000).astype(np.float32))
+    compiled = one_pass._compiled()
+    for loop in (compiled.array_loop, compiled.statistics_row, compiled.float32_at):
+        assert isinstance(loop._cache, caching.NullCache)   # compiled, not cached
+
+
+def test_the_address_form_gives_numpy_stats_numbers():
+    """`reductions_at` over arrays' memory writes exactly the numbers `numpy_stats` gives (the same loop and
+    arithmetic, which the tests above hold against float64 numpy), each array summed wide up to
+    `small_size` elements and narrow above, each into the row it is told; from an offset address it reads
+    only what it is told; arrays holding NaN or inf are left to the caller, their rows untouched."""
+    rng = np.random.default_rng(11)
+    arrays = [rng.standard_normal(size + 7).astype(np.float32)[3:3 + size]
+              for size in (1, 4095, 4096, 4097, 100_003, 50, 60)]
+    arrays[0][0] = -0.0
+    arrays[5][20], arrays[6][0] = np.nan, -np.inf
+    ops = ("nans", "zeros", "norm", "mean", "max", "min", "id")
+    rows = np.full((9, len(ops)), -7.0)
+    order = np.array([8, 0, 3, 1, 6, 2, 4])   # rows given out of order, two left alone
+    table = np.array([(row, a.ctypes.data, a.size) for row, a in zip(order, arrays)], dtype=np.int64)
+    redo = reductions_at(table, 0.5, 4096, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), rows)
+    assert redo.tolist() == [5, 6]
+    for k, data in enumerate(arrays[:5]):
+        got = rows[order[k]].tolist()
+        assert got[:6] == numpy_stats(data, ops[:6], 0.5) and math.isnan(got[6])
+    assert math.copysign(1.0, rows[8][5]) == 1.0 and rows[8][5] == 0.0   # -0.0 reported as 0.0
+    assert (rows[[2, 4, 5, 7]] == -7.0).all()   # NaN / inf rows and rows not given: untouched

@@ -8,10 +8,10 @@ The statistics, all of the tensor flattened:
     nans       number of NaN elements
     id         the value of a 0-dim tensor; NaN for any other
 
-On CPU (`asnumpy()` is a view of the tensor's memory) they are taken right away, in one compiled pass
-over the memory (`mindmon/one_pass.py`). A float32 tensor of more than 4096 elements is summed in
-float32 blocks added in float64 (relative error about 1e-7, the precision of the data), anything
-smaller in float64.
+On CPU they are taken right away, in one compiled pass over the tensor's memory (`mindmon/one_pass.py`;
+with synchronous execution from the data pointer, else through `asnumpy()`, a view). A float32 tensor
+of more than 4096 elements is summed in float32 blocks added in float64 (relative error about 1e-7, the
+precision of the data), anything smaller in float64.
 Elsewhere each tensor's statistics are reduced on the device into one small vector, the vectors of a
 collection point are stacked, and the host reads everything once, at `collect`.
 
@@ -33,8 +33,8 @@ import numpy as np
 from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
-from ..one_pass import reductions
-from ..stats import _SMALL, _host_array
+from ..one_pass import ROW_STATISTICS, reductions, reductions_at
+from ..stats import _SMALL, _direct_view, _host_array, direct_location
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
@@ -83,6 +83,40 @@ def _root(squared: float, flat: np.ndarray) -> float:
         flat64 = flat.astype(np.float64)
         squared = float(np.dot(flat64, flat64))
     return math.sqrt(squared) if not math.isnan(squared) else float("nan")
+
+
+def host_statistics(tensors: Sequence, layouts: Sequence[Tuple[tuple, str]], ops: Sequence[str], eps: float,
+                    direct: bool) -> np.ndarray:
+    """The statistics of tensors on the host, float64 [tensors, ops] (`layouts`: each one's shape and dtype
+    name, as `describe` gives them). With `direct` (see `direct_views_allowed`), float32 tensors of at
+    least one dimension are read where they lie: their data pointers go to the compiled code in one call,
+    which writes their rows; no array is made (per tensor, that cost more than the loop over a small one).
+    The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
+    rows = np.empty((len(tensors), len(ops)))
+    located = []   # (row, address, size) of the tensors read where they lie
+    for index, (tensor, (shape, dtype)) in enumerate(zip(tensors, layouts)):
+        location = direct_location(tensor, dtype) if direct and shape and dtype == "Float32" else None
+        if location is not None and location.size:
+            located.append((index, location.address, location.size))
+        else:
+            rows[index] = numpy_stats(_host_array(tensor, direct, dtype), ops, eps, not shape)
+    if located:
+        table = np.array(located, dtype=np.int64)
+        for k in reductions_at(table, eps, _SMALL, _codes(ops), rows).tolist():   # NaN or inf: numpy's rules
+            index = located[k][0]
+            rows[index] = numpy_stats(_direct_view(tensors[index], layouts[index][1]), ops, eps)
+    return rows
+
+
+_CODES: Dict[Tuple[str, ...], np.ndarray] = {}
+
+
+def _codes(ops: Sequence[str]) -> np.ndarray:
+    """`ops` as `reductions_at` takes them (remembered per ops tuple)."""
+    codes = _CODES.get(tuple(ops))
+    if codes is None:
+        codes = _CODES[tuple(ops)] = np.array([ROW_STATISTICS.index(op) for op in ops], dtype=np.int64)
+    return codes
 
 
 def device_stats(tensor, ops: Sequence[str], eps: float):
@@ -153,8 +187,7 @@ class TensorStats:
                 from ..stats import direct_views_allowed
 
                 self._direct = direct_views_allowed()
-            values = np.array([numpy_stats(_host_array(t, self._direct, dtype), self.ops, self.eps, not shape)
-                               for (_, t), (shape, dtype) in zip(named_tensors, layouts)], dtype=np.float64)
+            values = host_statistics([t for _, t in named_tensors], layouts, self.ops, self.eps, self._direct)
         else:
             from mindspore import ops as msops
 

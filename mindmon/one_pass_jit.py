@@ -1,0 +1,75 @@
+"""numba's compilation of `one_pass._one_pass`, over a numpy array and over memory at an address.
+
+The address form is for tensors: a tensor's data pointer goes straight into the compiled code, where
+building a numpy array around it first (a ctypes buffer, `frombuffer`, two bit views) cost several
+times what the loop itself costs over a tensor of a few thousand elements. Imported on the first
+statistics a process takes (importing numba takes a second or two); the compiled code is cached on disk.
+"""
+import ctypes
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+from .one_pass import _one_pass, _statistics_row
+
+# Reassociation lets the sums use vector lanes, nsz drops the widening of float32 values into float32
+# sums; no nnan/ninf: NaN and inf keep their meaning. Only the loop gets these: the statistics made
+# from its sums must be the numbers numpy_stats gives.
+FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
+
+
+def _jit(function, fastmath: bool = False):
+    options = dict(fastmath=FASTMATH if fastmath else False, nogil=True, boundscheck=False)
+    try:
+        return numba.njit(cache=True, **options)(function)
+    except RuntimeError:   # nowhere writable to cache it (read-only install, no home): compile per process
+        return numba.njit(cache=False, **options)(function)
+
+
+def _pointer_to(item):
+    """An intrinsic that makes an integer address a pointer to `item`s, which `numba.carray` takes."""
+    @intrinsic
+    def pointer(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
+        return types.CPointer(item)(types.intp), codegen
+    return pointer
+
+
+array_loop = _jit(_one_pass, fastmath=True)
+statistics_row = _jit(_statistics_row)
+_FLOAT32, _INT32, _UINT32 = (_pointer_to(item) for item in (types.float32, types.int32, types.uint32))
+
+
+def _float32_at(table, eps, small_size, codes, rows):
+    redo = np.empty(table.shape[0], np.int64)
+    count = 0
+    for k in range(table.shape[0]):
+        row, address, size = table[k, 0], table[k, 1], table[k, 2]
+        values = numba.carray(_FLOAT32(address), size)
+        signed, unsigned = numba.carray(_INT32(address), size), numba.carray(_UINT32(address), size)
+        if size <= small_size:   # summed in float64
+            found = array_loop(values, signed, unsigned, eps, 0.0)
+        else:                    # in float32 blocks
+            found = array_loop(values, signed, unsigned, eps, np.float32(0))
+        if not statistics_row(found, size, codes, rows[row]):
+            redo[count] = k
+            count += 1
+    return redo[:count]
+
+
+def _python_float32_at(table, eps, small_size, codes, rows):
+    """`_float32_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
+    redo = []
+    for k, (row, address, size) in enumerate(table.tolist()):
+        values = np.frombuffer((ctypes.c_char * (size * 4)).from_address(address), np.float32)
+        zero = np.float64(0) if size <= small_size else np.float32(0)
+        if not _statistics_row(_one_pass(values, values.view(np.int32), values.view(np.uint32), eps, zero),
+                               size, codes, rows[row]):
+            redo.append(k)
+    return np.array(redo, np.int64)
+
+
+float32_at = _python_float32_at if numba.config.DISABLE_JIT else _jit(_float32_at)
