@@ -141,3 +141,21 @@ def test_monitor_keeps_its_rank_and_the_path_asked_for():
         monitor.record("param_origin", [("w", ms.Tensor(np.ones(2, np.float32)))])
         (record,) = monitor.collect(1)
         assert (record.rank, record.value) == (rank, [1.0])
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "device"])
+def test_rows_keep_the_ops_they_were_taken_with(on_host):
+    """ops changed in the middle of a step (msprobe allows it): rows gathered before keep their own ops and
+    values, the later ones get the new ops; on the device path both reach the host in one transfer."""
+    import mindspore as ms
+
+    from mindmon.monitors.tensor_stats import TensorStatsMonitor
+
+    monitor = TensorStatsMonitor(("min", "max", "norm"), on_host=on_host)
+    data = np.array([3.0, -4.0], np.float32)
+    monitor.record("actv", [("a", ms.Tensor(data)), ("b", ms.Tensor(-data))])
+    monitor.ops = ("norm", "min")
+    monitor.record("actv", [("c", ms.Tensor(data * 2))])
+    got = [(r.name, r.ops, r.value) for r in monitor.collect(step=1)]
+    assert got == [("a", ("min", "max", "norm"), [-4.0, 3.0, 5.0]), ("b", ("min", "max", "norm"), [-3.0, 4.0, 5.0]),
+                   ("c", ("norm", "min"), [10.0, -8.0])]

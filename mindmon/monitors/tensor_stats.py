@@ -24,7 +24,7 @@ Example:
     monitor.record("grad_reduced", [("fc1.weight", grad)])
     records = monitor.collect(step=1)   # [TensorStatsRecord(kind="grad_reduced", name="fc1.weight", ...)]
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import math
 
@@ -95,7 +95,8 @@ def host_statistics(tensors: Sequence, layouts: Sequence[Tuple[tuple, str]], ops
     rows = np.empty((len(tensors), len(ops)))
     located = []   # (row, address, size) of the tensors read where they lie
     for index, (tensor, (shape, dtype)) in enumerate(zip(tensors, layouts)):
-        location = direct_location(tensor, dtype) if direct and shape and dtype == "Float32" else None
+        location = (direct_location(tensor, dtype, math.prod(shape)) if direct and shape and dtype == "Float32"
+                    else None)
         if location is not None and location.size:
             located.append((index, location.address, location.size))
         else:
@@ -167,6 +168,18 @@ def describe(tensor) -> Tuple[Tuple[int, ...], str]:
     return tuple(map(int, tensor.shape)), dtype_name(tensor.dtype)
 
 
+class Gathered(NamedTuple):
+    """The statistics of the tensors of one `add`: values float64 [tensors, ops] (a device tensor until
+    `results()`), with the ops they were taken with (ops may change while training)."""
+
+    point: str
+    micro_step: Optional[int]
+    names: List[str]
+    layouts: List[tuple]
+    values: object
+    ops: Tuple[str, ...]
+
+
 class TensorStats:
     """Statistics of named tensors, gathered per (point, micro_step); read with `results()`."""
 
@@ -174,7 +187,7 @@ class TensorStats:
         self.ops = tuple(ops)
         self.eps = eps
         self.on_host = on_host
-        self._pending: List[Tuple[str, Optional[int], List[str], List[tuple], object]] = []
+        self._pending: List[Gathered] = []
         self._direct: Optional[bool] = None   # direct_views_allowed(), read once per step
 
     def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
@@ -192,21 +205,19 @@ class TensorStats:
             from mindspore import ops as msops
 
             values = msops.stack([device_stats(t, self.ops, self.eps) for _, t in named_tensors])
-        self._pending.append((point, micro_step, names, layouts, values))
+        self._pending.append(Gathered(point, micro_step, names, layouts, values, self.ops))
 
-    def results(self) -> List[Tuple[str, Optional[int], List[str], List[tuple], np.ndarray]]:
+    def results(self) -> List[Gathered]:
         """Everything gathered, statistics as float64 arrays [tensors, ops]; one host transfer at most."""
-        device = [entry[4] for entry in self._pending if not isinstance(entry[4], np.ndarray)]
+        device = [entry.values.reshape(-1) for entry in self._pending if not isinstance(entry.values, np.ndarray)]
         if device:
             from mindspore import ops as msops
 
             host = iter(np.split(msops.concat(device).asnumpy().astype(np.float64),
                                  np.cumsum([int(v.shape[0]) for v in device])[:-1]))
-        out = []
-        for point, micro_step, names, layouts, values in self._pending:
-            out.append((point, micro_step, names, layouts,
-                        values if isinstance(values, np.ndarray) else next(host)))
-        return out
+        return [entry if isinstance(entry.values, np.ndarray) else
+                entry._replace(values=next(host).reshape(len(entry.names), len(entry.ops)))
+                for entry in self._pending]
 
     def clear(self) -> None:
         self._pending.clear()
@@ -244,10 +255,10 @@ class TensorStatsMonitor(Monitor):
 
     def collect(self, step: int) -> List[Record]:
         records = []
-        for point, micro_step, names, layouts, values in self.stats.results():
-            for name, (shape, dtype), row in zip(names, layouts, values):
-                records.append(TensorStatsRecord(step, micro_step, self.rank, point, name,
-                                                 row.tolist(), ops=self.ops, shape=shape, dtype=dtype))
+        for entry in self.stats.results():
+            for name, (shape, dtype), row in zip(entry.names, entry.layouts, entry.values.tolist()):
+                records.append(TensorStatsRecord(step, entry.micro_step, self.rank, entry.point, name,
+                                                 row, ops=entry.ops, shape=shape, dtype=dtype))
         self.reset()
         return records
 

@@ -239,10 +239,10 @@ class TrainerMon:
         {row name: {op: value}}, a name seen in several micro-steps with its latest values."""
         tables = {ACTV: {}, ACTV_GRAD: {}}
         if self.monitor is not None:
-            for point, _, names, _, values in self.monitor.stats.results():
-                if point in tables:
-                    tables[point].update((name, dict(zip(self.monitor.ops, map(float, row))))
-                                         for name, row in zip(names, values))
+            for entry in self.monitor.stats.results():
+                if entry.point in tables:
+                    tables[entry.point].update((name, dict(zip(entry.ops, row)))
+                                               for name, row in zip(entry.names, entry.values.tolist()))
         return tables[ACTV], tables[ACTV_GRAD]
 
     def close(self) -> None:
