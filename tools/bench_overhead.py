@@ -607,11 +607,12 @@ def measure_sequence(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
 def measure_peers(args, out_dir: Path, log) -> List[dict]:
     """mindmon's and msprobe's TrainerMon on the same msprobe-style loop and statistics, one process
     each (tools/bench_msprobe_peer.py). msprobe's row is there when `import msprobe.mindspore` works in
-    this environment (pip install mindstudio-probe, plus its dependencies)."""
+    this environment (pip install mindstudio-probe, plus its dependencies) after MindSpore, as the peer
+    process imports them (msprobe first fails on MindSpore 2.9's protobuf descriptors)."""
     rows = []
     for monitored in args.peer_monitored:
         for implementation in ("mindmon", "msprobe"):
-            if implementation == "msprobe" and subprocess.run([sys.executable, "-c", "import msprobe.mindspore"],
+            if implementation == "msprobe" and subprocess.run([sys.executable, "-c", "import mindspore, msprobe.mindspore"],
                                                               capture_output=True).returncode:
                 log("peer run: msprobe is not importable here; its row is left out")
                 continue
