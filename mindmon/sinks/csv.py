@@ -48,10 +48,15 @@ class MsprobeCsvSink(Sink):
         if self.folder is None:
             self.open(RunInfo())
         by_file = defaultdict(list)
+        paths: Dict[Tuple[str, int], str] = {}   # (kind, step) -> file: thousands of records share a few
         for record in records:
             if isinstance(record, TensorStatsRecord):
-                first, last = fmt.step_range(record.step - 1, self.step_count_per_record)
-                by_file[os.path.join(self.folder, fmt.file_name(record.kind, first, last))].append(record)
+                path = paths.get((record.kind, record.step))
+                if path is None:
+                    first, last = fmt.step_range(record.step - 1, self.step_count_per_record)
+                    path = paths[(record.kind, record.step)] = os.path.join(
+                        self.folder, fmt.file_name(record.kind, first, last))
+                by_file[path].append(record)
         if by_file:
             os.makedirs(self.folder, exist_ok=True)
         for path, file_records in by_file.items():
