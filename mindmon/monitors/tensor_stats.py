@@ -34,7 +34,7 @@ from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
 from ..one_pass import ROW_STATISTICS, reductions, reductions_at
-from ..stats import _SMALL, _direct_view, _host_array, direct_location
+from ..stats import _SMALL, StepDirectViews, _direct_view, _host_array, direct_location
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
@@ -188,7 +188,7 @@ class TensorStats:
         self.eps = eps
         self.on_host = on_host
         self._pending: List[Gathered] = []
-        self._direct: Optional[bool] = None   # direct_views_allowed(), read once per step
+        self.direct_views = StepDirectViews()
 
     def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
         if not named_tensors:
@@ -196,11 +196,8 @@ class TensorStats:
         names = [name for name, _ in named_tensors]
         layouts = [describe(t) for _, t in named_tensors]
         if self.on_host:
-            if self._direct is None:
-                from ..stats import direct_views_allowed
-
-                self._direct = direct_views_allowed()
-            values = host_statistics([t for _, t in named_tensors], layouts, self.ops, self.eps, self._direct)
+            values = host_statistics([t for _, t in named_tensors], layouts, self.ops, self.eps,
+                                     self.direct_views.allowed())
         else:
             from mindspore import ops as msops
 
@@ -221,7 +218,7 @@ class TensorStats:
 
     def clear(self) -> None:
         self._pending.clear()
-        self._direct = None   # the execution mode is read again in the next step
+        self.direct_views.forget()
 
 
 class TensorStatsMonitor(Monitor):

@@ -7,12 +7,12 @@ the memory traffic of float64, which took a third of the statistics' time), othe
 elsewhere it stays on the device.
 """
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
 from ..monitors.tensor_stats import HostTensor, describe
-from ..stats import _host_array, direct_views_allowed
+from ..stats import StepDirectViews, _host_array
 
 logger = logging.getLogger("mindmon")
 
@@ -28,7 +28,7 @@ class GradientSums:
         self._counts: Dict[int, int] = {}
         self._sums: Dict[int, Tuple[str, object]] = {}
         self._warned = False
-        self._direct: Optional[bool] = None   # direct_views_allowed(), read once per step
+        self.direct_views = StepDirectViews()
         # The host sums' memory, kept from step to step: a fresh array each step cost a page fault per
         # 4 KiB on its first write (a copy into fresh memory took twice as long as into used memory).
         self._buffers: Dict[int, np.ndarray] = {}
@@ -45,9 +45,7 @@ class GradientSums:
             self._sums[index] = (name, grad if previous is None else previous[1] + grad)
 
     def _add_on_host(self, index: int, name: str, grad) -> None:
-        if self._direct is None:
-            self._direct = direct_views_allowed()
-        flat = _host_array(grad, self._direct)
+        flat = _host_array(grad, self.direct_views.allowed())
         if index in self._sums:
             total = self._sums[index][1]
             np.add(total.array, flat.reshape(total.array.shape), out=total.array)
@@ -74,7 +72,7 @@ class GradientSums:
     def clear(self) -> None:
         self._counts.clear()
         self._sums.clear()
-        self._direct = None   # the execution mode is read again in the next step
+        self.direct_views.forget()
 
     def release(self) -> None:
         """Monitoring stopped: the host sums' memory (a copy of every monitored gradient) is given back."""
