@@ -33,6 +33,7 @@ class Reductions(NamedTuple):
 
 _BIT_VIEWS = {4: (np.int32, np.uint32), 8: (np.int64, np.uint64)}
 _WIDE_ZERO = np.float64(0)
+_FLOAT32 = np.dtype(np.float32)
 # numpy scalars of eps and 0 per (dtype, eps): making them costs a microsecond per tensor otherwise
 _SCALARS: Dict[Tuple[np.dtype, float], Tuple[np.generic, np.generic]] = {}
 
@@ -55,7 +56,7 @@ def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndar
     tensors' data pointers); arrays of at most `small_size` elements are summed wide. Row `row` of `rows`
     gets the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf: the table
     positions of those are returned, for the caller to take with NaN rules."""
-    return _compiled().float32_at(table, _scalars(np.dtype(np.float32), eps, True)[0], small_size, codes, rows)
+    return _compiled().float32_at(table, _scalars(_FLOAT32, eps, True)[0], small_size, codes, rows)
 
 
 def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:

@@ -612,8 +612,8 @@ def measure_peers(args, out_dir: Path, log) -> List[dict]:
     rows = []
     for monitored in args.peer_monitored:
         for implementation in ("mindmon", "msprobe"):
-            if implementation == "msprobe" and subprocess.run([sys.executable, "-c", "import mindspore, msprobe.mindspore"],
-                                                              capture_output=True).returncode:
+            importable = [sys.executable, "-c", "import mindspore, msprobe.mindspore"]
+            if implementation == "msprobe" and subprocess.run(importable, capture_output=True).returncode:
                 log("peer run: msprobe is not importable here; its row is left out")
                 continue
             row = _peer_run(implementation, monitored, args, out_dir, log)
