@@ -186,6 +186,10 @@ class ActivationHooks:
         self.guard = guard
         self.handles: Dict[Tuple[str, str], object] = {}
         self._mismatched: List[Tuple[str, str]] = []
+        # Hook calls of a collected step from cells in training mode / in eval mode: a step with only the
+        # latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
+        self._training_calls = self._eval_calls = 0
+        self._warned_eval = False
 
     def attach(self, model) -> int:
         """Hooks every monitored cell; returns how many."""
@@ -203,16 +207,23 @@ class ActivationHooks:
 
     def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
         def hook(cell, inputs, output):
-            if cell.training and self.collecting():
+            if self.collecting() and self._counts_as_training(cell):
                 self.guard(self._collect, name, "forward", ACTV, plan, {"input": inputs, "output": output})
         return hook
 
     def _backward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
         def hook(cell, grad_input, grad_output):
-            if cell.training and self.collecting():
+            if self.collecting() and self._counts_as_training(cell):
                 self.guard(self._collect, name, "backward", ACTV_GRAD, plan,
                            {"input_grad": grad_input, "output_grad": grad_output})
         return hook
+
+    def _counts_as_training(self, cell) -> bool:
+        if cell.training:
+            self._training_calls += 1
+            return True
+        self._eval_calls += 1
+        return False
 
     def _collect(self, name: str, direction: str, point: str, plan, values) -> None:
         if (name, direction) in self._mismatched:
@@ -230,7 +241,14 @@ class ActivationHooks:
         self.record(point, rows, self.micro_steps.current)
 
     def end_step(self) -> None:
-        """Detaches hooks whose spec did not match (not from inside a hook: MindSpore is iterating them)."""
+        """Says once if a collected step saw only cells in eval mode; detaches hooks whose spec did not match
+        (not from inside a hook: MindSpore is iterating them)."""
+        if self._eval_calls and not self._training_calls and not self._warned_eval:
+            self._warned_eval = True
+            logger.warning("mindmon: xy_distribution: every monitored cell ran in eval mode in this step "
+                           "(Cell.training is False; MindSpore cells start so), so no activations were collected; "
+                           "call model.set_train(True) before training")
+        self._training_calls = self._eval_calls = 0
         for key in self._mismatched:
             handle = self.handles.pop(key, None)
             if handle is not None:
