@@ -124,6 +124,7 @@ def test_float_tensors_are_read_at_their_address_and_everything_else_as_before(m
         "float64 with a NaN": (ms.Tensor(with_nan), False),
         "float32 with a NaN": (ms.Tensor(float32_nan), True),
         "float32 with inf": (ms.Tensor(with_inf), True),
+        "float32 whose squares overflow float32 sums": (ms.Tensor(np.full(5000, 3e19, np.float32)), True),
         "0-dim": (ms.Tensor(np.float32(-2.5)), False),
         "float16": (ms.Tensor(rng.standard_normal(300).astype(np.float16)), False),
         "int32": (ms.Tensor(np.array([3, -1, 0, 4], np.int32)), False),
