@@ -13,7 +13,7 @@ this loop (numba, LLVM's vectoriser). Two choices let it vectorise:
 
 `reductions` takes a numpy array, `reductions_at` memory at an address (a CPU tensor's data pointer: no
 array is built around it). numba is imported, and the loop compiled (`one_pass_jit`, cached on disk), on
-the first call: code that never takes these statistics never pays for it.
+the first call or at `prepare()`: code that never takes these statistics never pays for it.
 """
 from typing import Dict, NamedTuple, Tuple
 
@@ -70,6 +70,16 @@ def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.ge
 def _found(total, squares, small, minimum, maximum) -> Reductions:
     # + 0.0 in Python (the loop may drop it: nsz): -0.0 becomes 0.0, as numpy's min/max of [0.0, -0.0] give
     return Reductions(total, squares, small, minimum + 0.0, maximum + 0.0)
+
+
+def prepare() -> None:
+    """Imports numba and loads (or, the first time on a machine, compiles) the float32 loops now, by running
+    them once on one element: 1-2.5 s here, which a monitor built before training keeps out of the first
+    step it collects."""
+    one = np.zeros(1, np.float32)
+    for wide in (False, True):
+        reductions(one, 1e-8, wide)
+    reductions_at(np.array([[0, one.ctypes.data, 1]], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), np.empty((1, 1)))
 
 
 _compiled_module = None

@@ -271,3 +271,31 @@ def test_the_address_form_gives_numpy_stats_numbers():
         assert got[:6] == numpy_stats(data, ops[:6], 0.5) and math.isnan(got[6])
     assert math.copysign(1.0, rows[8][5]) == 1.0 and rows[8][5] == 0.0   # -0.0 reported as 0.0
     assert (rows[[2, 4, 5, 7]] == -7.0).all()   # NaN / inf rows and rows not given: untouched
+
+
+def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before():
+    """Importing mindmon and its statistics monitor does not import numba (train_state users never load it);
+    building a host-side statistics monitor does, with the compiled loops, before any step; a device-side
+    one does not."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from mindmon.monitors.tensor_stats import TensorStatsMonitor\n"
+        "import mindmon, mindmon.monitors.train_state\n"
+        "assert 'numba' not in sys.modules\n"
+        "TensorStatsMonitor(('min',), on_host=False)\n"
+        "assert 'numba' not in sys.modules\n"
+        "TensorStatsMonitor(('min',), on_host=True)\n"
+        "from mindmon import one_pass_jit as jit\n"
+        "assert 'numba' in sys.modules\n"
+        "print('python' if not hasattr(jit.float32_at, 'signatures') else\n"
+        "      (sorted(str(sig[0]) for sig in jit.array_loop.signatures), len(jit.float32_at.signatures)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    if numba.config.DISABLE_JIT:
+        assert last.endswith("python")
+    else:   # both float32 sum widths loaded, and the address form
+        assert last == "(['array(float32, 1d, C)', 'array(float32, 1d, C)'], 1)", last

@@ -33,7 +33,7 @@ import numpy as np
 from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
-from ..one_pass import ROW_STATISTICS, reductions, reductions_at
+from ..one_pass import ROW_STATISTICS, prepare, reductions, reductions_at
 from ..stats import _SMALL, StepDirectViews, _direct_view, _host_array, direct_location
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
@@ -234,6 +234,8 @@ class TensorStatsMonitor(Monitor):
             on_host = host_is_device()
         self.rank = rank
         self.stats = TensorStats(ops, eps, on_host)
+        if on_host:
+            prepare()   # before training, not in the first collected step
 
     @property
     def ops(self) -> Tuple[str, ...]:
