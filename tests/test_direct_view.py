@@ -1,5 +1,7 @@
 """The numpy view built from a CPU tensor's data pointer (mindmon/stats.py): the same elements as
 asnumpy() for every dtype and layout it accepts, None for those it leaves to asnumpy()."""
+import math
+
 import numpy as np
 import mindspore as ms
 from mindspore import mint
@@ -124,7 +126,7 @@ def test_float_tensors_are_read_at_their_address_and_everything_else_as_before(m
         "float64 with a NaN": (ms.Tensor(with_nan), False),
         "float32 with a NaN": (ms.Tensor(float32_nan), True),
         "float32 with inf": (ms.Tensor(with_inf), True),
-        "float32 whose squares overflow float32 sums": (ms.Tensor(np.full(5000, 3e19, np.float32)), True),
+        "float32 whose squares overflow float32 sums": (ms.Tensor(np.tile(np.float32([3e19, -3e19]), 2500)), True),
         "0-dim": (ms.Tensor(np.float32(-2.5)), False),
         "float16": (ms.Tensor(rng.standard_normal(300).astype(np.float16)), False),
         "int32": (ms.Tensor(np.array([3, -1, 0, 4], np.int32)), False),
@@ -145,3 +147,21 @@ def test_float_tensors_are_read_at_their_address_and_everything_else_as_before(m
     for label, got in zip(cases, stats.results()[0][4].tolist()):
         want = _numpy_reference(cases[label][0].asnumpy())
         assert np.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True), (label, got, want)
+
+
+def test_ops_not_seen_before_get_their_codes(monkeypatch):
+    """The ops -> codes table starts empty in a fresh process: ops in an order not used before get their
+    codes (positions in `ROW_STATISTICS`) made, kept and read back, and the rows written with them are
+    float64 numpy's."""
+    from mindmon.monitors import tensor_stats
+
+    monkeypatch.setattr(tensor_stats, "_CODES", {})
+    ops = ("norm", "nans", "min", "zeros")
+    data = np.array([3.0, -4.0, 0.0, 12.0], np.float32)
+    wide = data.astype(np.float64)
+    want = [math.sqrt(float(np.dot(wide, wide))), 0.0, float(wide.min()), np.count_nonzero(np.abs(wide) < 1e-8) / 4]
+    for _ in range(2):   # the codes made, then read from the table
+        stats = TensorStats(ops, 1e-8, on_host=True)
+        stats.add("actv", [("x", ms.Tensor(data))])
+        assert stats.results()[0][4].tolist() == [want]
+    assert tensor_stats._CODES[ops].tolist() == [3, 5, 0, 4]

@@ -299,3 +299,34 @@ def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before(
         assert last.endswith("python")
     else:   # both float32 sum widths loaded, and the address form
         assert last == "(['array(float32, 1d, C)', 'array(float32, 1d, C)'], 1)", last
+
+
+def test_the_address_form_compares_eps_in_float32():
+    """|x| < eps as float32 data compares it: eps rounded to float32 first. 1e-8 rounds down, so an element
+    equal to float32(1e-8) is not below it (compared in float64 it would be)."""
+    eps = 1e-8
+    data = np.array([np.float32(eps), 0.0, -np.float32(eps), 1.0], dtype=np.float32)
+    rows, redo = by_address([data], eps=eps, ops=("zeros",))
+    want = np.count_nonzero(np.abs(data) < np.float32(eps)) / data.size
+    assert redo == [] and rows[0][0] == want == 0.25
+
+
+def test_the_address_form_reports_a_largest_element_of_minus_zero_as_zero():
+    """Every element negative or -0.0: the max is -0.0, reported as +0.0 (numpy's max of [0.0, -0.0])."""
+    data = np.array([-2.0, -0.0, -1.5], dtype=np.float32)
+    rows, redo = by_address([data], ops=("max", "min"))
+    assert redo == [] and rows[0].tolist() == [0.0, -2.0]
+    assert math.copysign(1.0, rows[0][0]) == 1.0
+
+
+def test_the_address_form_hands_back_float32_squares_that_overflow():
+    """Above `small_size` the squares are summed in float32 blocks: 1e20 squared overflows float32 although
+    the sum does not, so the array goes back to the caller (which sums the squares in float64)."""
+    data = np.zeros(10, dtype=np.float32)
+    data[3] = 1e20
+    with np.errstate(over="ignore"):   # run as plain Python (NUMBA_DISABLE_JIT=1) numpy warns of it
+        rows, redo = by_address([data], small_size=4, ops=("norm", "mean"))
+    assert redo == [0] and (rows[0] == -7.0).all()
+    rows, redo = by_address([data], small_size=10, ops=("norm", "mean"))   # summed in float64: no overflow
+    wide = data.astype(np.float64)
+    assert redo == [] and rows[0].tolist() == [math.sqrt(float(np.dot(wide, wide))), float(wide.sum()) / 10]

@@ -159,3 +159,21 @@ def test_rows_keep_the_ops_they_were_taken_with(on_host):
     got = [(r.name, r.ops, r.value) for r in monitor.collect(step=1)]
     assert got == [("a", ("min", "max", "norm"), [-4.0, 3.0, 5.0]), ("b", ("min", "max", "norm"), [-3.0, 4.0, 5.0]),
                    ("c", ("norm", "min"), [10.0, -8.0])]
+
+
+def test_device_rows_reach_the_host_as_float64_arrays():
+    """On the device path too, `results()` hands back numpy float64 arrays [tensors, ops], each add's
+    rows in its own array (values chosen exact in float32, so float64 numpy's are the same)."""
+    import mindspore as ms
+
+    from mindmon.monitors.tensor_stats import TensorStats
+
+    stats = TensorStats(("max", "mean"), EPS, on_host=False)
+    data = np.array([1.5, -2.0, 4.0, 0.5], np.float32)
+    stats.add("actv", [("a", ms.Tensor(data)), ("b", ms.Tensor(-data))])
+    stats.add("actv_grad", [("c", ms.Tensor(data[:2]))])
+    got = [entry.values for entry in stats.results()]
+    assert all(isinstance(values, np.ndarray) and values.dtype == np.float64 for values in got)
+    wide = data.astype(np.float64)
+    want = [[[wide.max(), wide.mean()], [(-wide).max(), (-wide).mean()]], [[wide[:2].max(), wide[:2].mean()]]]
+    assert [values.tolist() for values in got] == want
