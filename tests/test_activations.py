@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from activations_reference import activation_rows, output_root_for, run_config
-from msprobe_reference import K, statistic
+from msprobe_reference import K, NAMES, statistic
 from mindmon.config import ConfigError
 from mindmon.formats.msprobe_csv import read_csv
 from mindmon.msprobe import parse_tensor_stats
@@ -166,3 +166,32 @@ def test_generate_xy_metrics_mid_step(tmp_path, output_root):
                 want = statistic(reference[(kind, 0, 0, name)], op)
                 assert abs(value - want) <= RTOL * abs(want) + 1e-12, (kind, name, op, value, want)
     monitor.close()
+
+
+def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
+    """MindSpore slows every step that has cell backward or parameter gradient hooks, even when they return
+    at once: they are attached for collected steps only. With step_interval 2, steps 0 and 2 are collected
+    (and are right against numpy after the hooks came back); between steps 0 and 1 there are none."""
+    from msprobe_reference import reference_run
+
+    models, attached = [], []
+
+    def count_after(step):
+        cells = [cell for _, cell in models[0].cells_and_names()]
+        attached.append((sum(len(cell._backward_hook) for cell in cells),
+                         sum(len(param.hooks()) for param in models[0].trainable_params()),
+                         sum(len(cell._forward_hook) for cell in cells)))
+
+    run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
+                   "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
+    # After step 0 (step 1 next, not collected): none; after step 1 (step 2 next): 4 cells, 4 parameters.
+    # The forward hooks stay (they cost nothing measurable); after step 2 the next step is not collected.
+    assert attached == [(0, 0, 4), (4, 4, 4), (0, 0, 4)]
+    rows = rows_of(output_root)
+    assert {key[1] for key in rows} == {0, 2}
+    reference = {**activation_rows(3), **reference_run(steps=3)}
+    assert {key for key in rows if key[0] == "actv_grad"} == {key for key in reference
+                                                             if key[0] == "actv_grad" and key[1] in (0, 2)}
+    assert {key for key in rows if key[0] == "grad_unreduced"} == {("grad_unreduced", step, None, name)
+                                                                  for step in (0, 2) for name in NAMES}
+    assert_statistics(rows, reference)

@@ -20,7 +20,8 @@ Configurations:
                         sync per parameter per micro-step, as the upstream MindFormers hook does)
     tensor_stats        msprobe's TrainerMon statistics (six ops) of every parameter, gradient and Adam moment
     activations         msprobe's TrainerMon statistics of every cell's inputs and outputs and their gradients
-    activations_idle    the same cell hooks attached but no step collected: MindSpore's cost of the hooks
+    activations_idle    the same TrainerMon, but no step collected: what a step it skips costs (forward
+                        hooks stay; backward hooks are attached only for collected steps)
     l2_features         attention entropy / softmax max and stable rank of every attention and linear cell
 The scaling run repeats off / train_state at several layer counts.
 """
@@ -508,7 +509,7 @@ def _main_configs(work: Workload, out_dir: Path, only: Optional[List[str]] = Non
                                                host_sync_norms=True),
         "tensor_stats": lambda: TensorStatsConfiguration("tensor_stats", work.size, out_dir, PARAMETER_STATS),
         "activations": lambda: TensorStatsConfiguration("activations", work.size, out_dir, ACTIVATIONS),
-        # the same hooks attached, no step collected: what MindSpore's cell hooks cost by themselves
+        # the same monitor, no step collected: what the steps it skips cost
         "activations_idle": lambda: TensorStatsConfiguration("activations_idle", work.size, out_dir,
                                                              {**ACTIVATIONS, "start_step": 10 ** 9}),
         "l2_features": lambda: L2Configuration("l2_features", work.size, out_dir),

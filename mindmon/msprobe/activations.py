@@ -5,7 +5,9 @@ Which cells: `xy_distribution` on, then
   - a cell named in `targets` with specs collects what its specs name (`{}` = everything);
   - with `all_xy`, or with empty `targets`, every other cell collects everything;
   - `forward_only` drops the gradients, `backward_only` the forward tensors (both: nothing, a warning).
-Only cells in training mode (`cell.training`) are collected.
+Only cells in training mode (`cell.training`) are collected. The backward hooks are attached only while
+steps are collected: MindSpore's cell backward hooks slow every step by about a tenth even when they
+return at once, where forward hooks cost nothing measurable (docs/performance.md).
 
 Specs (`targets: {"layers.0": {"input": "tuple[2]:0", "output": "tensor", ...}}`), per key
 `input`, `output`, `input_grad`, `output_grad`:
@@ -185,6 +187,7 @@ class ActivationHooks:
         self.micro_steps = micro_steps
         self.guard = guard
         self.handles: Dict[Tuple[str, str], object] = {}
+        self._backward_plans: List[Tuple[str, object, Dict[str, Optional[Spec]]]] = []
         self._mismatched: List[Tuple[str, str]] = []
         # Hook calls of a collected step from cells in training mode / in eval mode: a step with only the
         # latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
@@ -192,7 +195,7 @@ class ActivationHooks:
         self._warned_eval = False
 
     def attach(self, model) -> int:
-        """Hooks every monitored cell; returns how many."""
+        """Hooks every monitored cell (backward hooks if this step is collected); returns how many."""
         count = 0
         for name, cell in named_cells(model):
             plan = cell_plan(name, self.config)
@@ -201,9 +204,20 @@ class ActivationHooks:
             if forward:
                 self.handles[(name, "forward")] = cell.register_forward_hook(self._forward_hook(name, forward))
             if backward:
-                self.handles[(name, "backward")] = cell.register_backward_hook(self._backward_hook(name, backward))
+                self._backward_plans.append((name, cell, backward))
             count += bool(plan)
+        self.follow_collection()
         return count
+
+    def follow_collection(self) -> None:
+        """Backward hooks on for a collected step, off for one that is not (called between steps)."""
+        collecting = self.collecting()
+        for name, cell, plan in self._backward_plans:
+            key = (name, "backward")
+            if collecting and key not in self.handles and key not in self._mismatched:
+                self.handles[key] = cell.register_backward_hook(self._backward_hook(name, plan))
+            elif not collecting and key in self.handles:
+                self.handles.pop(key).remove()
 
     def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
         def hook(cell, inputs, output):

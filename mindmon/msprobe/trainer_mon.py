@@ -285,6 +285,7 @@ class TrainerMon:
         self._sums = GradientSums(self.on_host, self.config.monitor_mbs_grad, self._record_micro_gradient)
         self._micro_steps = MicroSteps()
         self._capability_handles: List = []
+        self._gradient_handles: List = []
         self._activations = self._struct = self._stacks = None
         self._hooked_cells = 0
         # The optimizer first: it is the hook that can be refused, and then nothing is left attached.
@@ -299,10 +300,7 @@ class TrainerMon:
             self._struct.attach(self.model)
             return
         self._sums.per_micro_batch = config.monitor_mbs_grad
-        if config.wg_distribution:
-            for index, name in self.selected:
-                hook = register_gradient_hook(self.parameters[index], self._gradient_hook(index, name))
-                self._capability_handles.append(hook)
+        self._follow_collection()
         if config.collects_activations:
             self._activations = ActivationHooks(config, self._record_activations, lambda: self._collecting,
                                                 self._micro_steps, self._guard)
@@ -314,16 +312,32 @@ class TrainerMon:
             self._capability_handles += attach_l2_and_collectives(config, self.model, self._optimizer, self.group,
                                                                   lambda: self._collecting, self.rank, self.on_host)
 
+    def _follow_collection(self) -> None:
+        """Between steps: the hooks that run in the backward pass (parameter gradients, cells' backward)
+        are attached for a collected step only. MindSpore slows every step that has them, even when they
+        return at once (docs/performance.md)."""
+        wanted = self._running and self._collecting and self.config.wg_distribution
+        if wanted and not self._gradient_handles:
+            self._gradient_handles = [register_gradient_hook(self.parameters[index], self._gradient_hook(index, name))
+                                      for index, name in self.selected]
+        elif not wanted:
+            for handle in self._gradient_handles:
+                handle.remove()
+            self._gradient_handles = []
+        if self._activations is not None:
+            self._activations.follow_collection()
+
     def _detach_capabilities(self) -> None:
         for handle in getattr(self, "_capability_handles", ()):
             handle.remove()
         self._capability_handles = []
+        self._running = self._collecting = False
+        self._follow_collection()
         for hooks in (self._activations, self._struct, self._stacks):
             if hooks is not None:
                 hooks.detach()
         self._activations = self._struct = self._stacks = None
         self._hooked_cells = 0
-        self._running = self._collecting = False
         self._sums.release()
 
     def _gradient_hook(self, index: int, name: str):
@@ -355,6 +369,7 @@ class TrainerMon:
             self._stop_after_structure()
         self._next_configuration()
         self._collecting = self._running and self.config.collects(self.step)
+        self._follow_collection()
 
     def _end_step_by_forwards(self) -> None:
         """Without an optimizer (kj600's hook_modules): a step ends when the model starts its forward
