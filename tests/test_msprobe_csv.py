@@ -85,3 +85,29 @@ def test_output_root_from_environment(tmp_path, monkeypatch):
 def test_read_csv_rejects_other_files(tmp_path):
     with pytest.raises(ValueError, match="not a <prefix>_<start>-<end>.csv"):
         fmt.read_csv(str(tmp_path / "metrics.csv"))
+
+
+@pytest.mark.parametrize("significant", [False, True])
+def test_rows_of_a_file_take_the_short_way_to_format_rows_text(significant):
+    """format_rows (what the sink writes) gives, record by record, format_row's text: for records whose ops
+    are the header's (the short way) and for those that are not (ops changed, a micro-step in a per-step
+    file), over values that stress the rounding: NaN, inf, -0.0, tiny, huge, ints, numpy scalars."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    specials = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-13, -4.9999999e-7, 123456789.123456789,
+                2.5e17, 7, np.float32(0.1), np.float64(-3.75)]
+    values = specials + (rng.normal(size=300) * 10.0 ** rng.integers(-9, 9, size=300)).tolist()
+    ops = ("min", "max", "mean")
+    records = [TensorStatsRecord(4, micro, 0, "actv", f"cell{i}.output", values[i:i + 3], ops=ops, shape=shape,
+                                 dtype="Float32")
+               for i in range(0, len(values) - 2, 3) for micro, shape in ((i % 4, (2, 3)), (None, [5]))]
+    records.append(TensorStatsRecord(4, 1, 0, "actv", "other", [1.5, 2.5], ops=("norm", "min"), shape=(1,),
+                                     dtype="Float16"))
+    for micro in (False, True):
+        columns = fmt.header(ops, micro)
+        for ndigits in (0, 6, 12):
+            expected = [fmt.format_row(r, columns, ndigits, significant) for r in records]
+            assert fmt.format_rows(records, columns, ndigits, significant) == expected
+    assert fmt.format_rows(records[:1], fmt.header(ops, True), 12)[0][3:6] == [
+        "0", repr(round(values[0], 12)), repr(round(values[1], 12))]

@@ -61,8 +61,8 @@ class MsprobeCsvSink(Sink):
             os.makedirs(self.folder, exist_ok=True)
         for path, file_records in by_file.items():
             columns = self._header(path, file_records)
-            rows = [fmt.format_row(r, columns, self.ndigits, self.significant_digits) for r in file_records]
-            fmt.write_rows(path, columns, rows)
+            fmt.write_rows(path, columns, fmt.format_rows(file_records, columns, self.ndigits,
+                                                          self.significant_digits))
 
     def _header(self, path: str, records: Sequence[TensorStatsRecord]) -> List[str]:
         """The file's header: read back from an existing file, else from the first rows it gets. Rows that
