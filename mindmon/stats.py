@@ -15,6 +15,7 @@ from typing import Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from .compat import dtype_name
+from .one_pass import add_and_squares, prepare
 
 
 def host_is_device() -> bool:
@@ -204,21 +205,12 @@ class MicroStepNorms(NamedTuple):
 
 
 def _add_and_square(view: np.ndarray, flat: np.ndarray, first: bool) -> Tuple[float, float]:
-    """`view += flat` (or `view[:] = flat` when `first`); returns (|view|^2 after, |flat|^2), summed as
-    `_squared_norm` sums them (the same numbers, one read)."""
+    """`view += flat` (or `view[:] = flat` when `first`); returns (|view|^2 after, |flat|^2), small arrays
+    summed in float64, large ones in one compiled pass (`one_pass.add_and_squares`)."""
     if view.size <= _SMALL:
         np.copyto(view, flat) if first else np.add(view, flat, out=view)
         return _squared_norm(view), (0.0 if first else _squared_norm(flat))
-    accumulated = micro = 0.0
-    for start in range(0, view.size, _BLOCK):
-        block, micro_block = view[start:start + _BLOCK], flat[start:start + _BLOCK]
-        if first:
-            np.copyto(block, micro_block)
-        else:
-            np.add(block, micro_block, out=block)
-            micro += float(np.dot(micro_block, micro_block))
-        accumulated += float(np.dot(block, block))
-    return accumulated, micro
+    return add_and_squares(view, flat, first)
 
 
 class HostGradientBuffer:
@@ -232,6 +224,7 @@ class HostGradientBuffer:
     """
 
     def __init__(self, parameters: Sequence):
+        prepare()   # numba's loops now, not in the first step
         self.shapes = [tuple(p.shape) for p in parameters]
         sizes = [int(np.prod(shape)) if shape else 1 for shape in self.shapes]
         self.offsets = np.cumsum([0] + sizes)
@@ -247,8 +240,8 @@ class HostGradientBuffer:
         """Adds one micro-batch's gradients. Returns them as flat numpy views (valid while `grads` lives)
         and, with `with_norms`, the squared norms of each one and of each accumulated sum.
 
-        The norms are taken block by block right after each block is added, while both blocks are in
-        cache: reading 42 MB of gradients again for each norm cost more than the add itself.
+        The norms are taken in the add's own pass (`one_pass.add_and_squares`): reading 42 MB of
+        gradients again for each norm cost more than the add itself.
         """
         micro = [g.asnumpy().reshape(-1) for g in grads]
         first = not self.views

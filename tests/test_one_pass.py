@@ -274,9 +274,9 @@ def test_the_address_form_gives_numpy_stats_numbers():
 
 
 def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before():
-    """Importing mindmon and its statistics monitor does not import numba (train_state users never load it);
-    building a host-side statistics monitor does, with the compiled loops, before any step; a device-side
-    one does not."""
+    """Importing mindmon and its statistics monitor does not import numba; building a host-side statistics
+    monitor does, with the compiled loops, before any step; a device-side one does not. (The CPU training
+    step's gradient buffer loads them too when it is built: next test.)"""
     import subprocess
     import sys
 
@@ -330,3 +330,47 @@ def test_the_address_form_hands_back_float32_squares_that_overflow():
     rows, redo = by_address([data], small_size=10, ops=("norm", "mean"))   # summed in float64: no overflow
     wide = data.astype(np.float64)
     assert redo == [] and rows[0].tolist() == [math.sqrt(float(np.dot(wide, wide))), float(wide.sum()) / 10]
+
+
+def test_the_cpu_training_steps_buffer_loads_the_compiled_add_when_built():
+    """AccumulatingTrainStep's host buffer adds gradients and takes their norms in `add_and_squares`: the
+    loops are loaded when the buffer is built, before the first step, not in it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np\n"
+        "from mindspore import Tensor\n"
+        "from mindmon.stats import HostGradientBuffer\n"
+        "assert 'numba' not in sys.modules\n"
+        "HostGradientBuffer([Tensor(np.zeros(3, np.float32))])\n"
+        "from mindmon import one_pass_jit as jit\n"
+        "print('numba' in sys.modules, 'python' if not hasattr(jit.add_and_squares, 'signatures') else\n"
+        "      len(jit.add_and_squares.signatures))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "python" if numba.config.DISABLE_JIT else "1"], done.stdout
+
+
+def test_add_and_squares_against_float64_numpy():
+    """The fused add: `total` becomes the float32 sum exactly as numpy adds it, and the two sums of squares
+    are float64 numpy's of the same float32 values; sizes across 4096-element block edges; `first` copies
+    and reports no micro-batch norm. Small integers first, whose float32 block sums are exact in any order
+    (so one element left out or counted twice shows); then normal values, to float32 rounding of each block
+    (about 1e-7 compiled; about 2e-6 as plain Python under NUMBA_DISABLE_JIT=1, summed in sequence)."""
+    from mindmon.one_pass import add_and_squares
+
+    rng = np.random.default_rng(8)
+    for exact in (True, False):
+        for size in (1, 4095, 4096, 4097, 3 * 4096 + 5, 100_003):
+            micro = [(rng.integers(-3, 4, size=size) if exact else rng.normal(0.2 * k, 1.0 + k, size=size))
+                     .astype(np.float32) for k in range(3)]
+            total, expected = np.full(size, np.nan, np.float32), np.zeros(size, np.float32)
+            for k, gradient in enumerate(micro):
+                expected = gradient.copy() if k == 0 else expected + gradient
+                accumulated, own = add_and_squares(total, gradient, k == 0)
+                assert np.array_equal(total, expected), size
+                wide, mine = expected.astype(np.float64), gradient.astype(np.float64)
+                tolerance = 0.0 if exact else 1e-5
+                assert abs(accumulated - np.dot(wide, wide)) <= tolerance * np.dot(wide, wide), (exact, size, k)
+                assert own == 0.0 if k == 0 else abs(own - np.dot(mine, mine)) <= tolerance * np.dot(mine, mine)
