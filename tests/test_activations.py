@@ -168,10 +168,11 @@ def test_generate_xy_metrics_mid_step(tmp_path, output_root):
     monitor.close()
 
 
-def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
+def test_gradient_hooks_only_on_collected_steps(tmp_path, output_root):
     """MindSpore slows every step that has cell backward or parameter gradient hooks, even when they return
-    at once: they are attached for collected steps only. With step_interval 2, steps 0 and 2 are collected
-    (and are right against numpy after the hooks came back); between steps 0 and 1 there are none."""
+    at once. mindmon uses no cell backward hook; the hooks that set the gradients' tensor hooks in the
+    forward, and the parameter hooks, are attached for collected steps only. With step_interval 2, steps 0
+    and 2 are collected (and are right against numpy after the hooks came back)."""
     from msprobe_reference import reference_run
 
     models, attached = [], []
@@ -180,13 +181,15 @@ def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
         cells = [cell for _, cell in models[0].cells_and_names()]
         attached.append((sum(len(cell._backward_hook) for cell in cells),
                          sum(len(param.hooks()) for param in models[0].trainable_params()),
-                         sum(len(cell._forward_hook) for cell in cells)))
+                         sum(len(cell._forward_hook) for cell in cells),
+                         sum(len(cell._forward_pre_hook) for cell in cells)))
 
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
-    # After step 0 (step 1 next, not collected): none; after step 1 (step 2 next): 4 cells, 4 parameters.
-    # The forward hooks stay (they cost nothing measurable); after step 2 the next step is not collected.
-    assert attached == [(0, 0, 4), (4, 4, 4), (0, 0, 4)]
+    # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step. Always: a
+    # forward hook per cell (actv) and the root's micro-step counter. Before a collected step (after step 1)
+    # also a forward hook (outputs' gradients) and a pre-hook (inputs' gradients) per cell and 4 parameter hooks.
+    assert attached == [(0, 0, 4, 1), (0, 4, 8, 5), (0, 0, 4, 1)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}

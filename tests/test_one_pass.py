@@ -277,9 +277,6 @@ def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before(
     """Importing mindmon and its statistics monitor does not import numba; building a host-side statistics
     monitor does, with the compiled loops, before any step; a device-side one does not. (The CPU training
     step's gradient buffer loads them too when it is built: next test.)"""
-    import subprocess
-    import sys
-
     script = (
         "import sys\n"
         "from mindmon.monitors.tensor_stats import TensorStatsMonitor\n"
@@ -292,9 +289,7 @@ def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before(
         "assert 'numba' in sys.modules\n"
         "print('python' if not hasattr(jit.float32_at, 'signatures') else\n"
         "      (sorted(str(sig[0]) for sig in jit.array_loop.signatures), len(jit.float32_at.signatures)))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    last = done.stdout.strip().splitlines()[-1]
+    last = _last_line_printed(script)
     if numba.config.DISABLE_JIT:
         assert last.endswith("python")
     else:   # both float32 sum widths loaded, and the address form
@@ -335,9 +330,6 @@ def test_the_address_form_hands_back_float32_squares_that_overflow():
 def test_the_cpu_training_steps_buffer_loads_the_compiled_add_when_built():
     """AccumulatingTrainStep's host buffer adds gradients and takes their norms in `add_and_squares`: the
     loops are loaded when the buffer is built, before the first step, not in it."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, numpy as np\n"
         "from mindspore import Tensor\n"
@@ -347,9 +339,17 @@ def test_the_cpu_training_steps_buffer_loads_the_compiled_add_when_built():
         "from mindmon import one_pass_jit as jit\n"
         "print('numba' in sys.modules, 'python' if not hasattr(jit.add_and_squares, 'signatures') else\n"
         "      len(jit.add_and_squares.signatures))\n")
+    assert _last_line_printed(script).split() == ["True", "python" if numba.config.DISABLE_JIT else "1"]
+
+
+def _last_line_printed(script: str) -> str:
+    """Runs `script` in a fresh Python (what a new process imports); its last line of output."""
+    import subprocess
+    import sys
+
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "python" if numba.config.DISABLE_JIT else "1"], done.stdout
+    return done.stdout.strip().splitlines()[-1]
 
 
 def test_add_and_squares_against_float64_numpy():

@@ -38,7 +38,7 @@ import time
 import tracemalloc
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -498,8 +498,8 @@ def _in_mindmon(times: List[List[StepTime]], base: List[List[StepTime]]) -> dict
             "in_mindmon_share_of_off_step": in_mindmon / _median(base, "wall")}
 
 
-def _main_configs(work: Workload, out_dir: Path, only: Optional[List[str]] = None) -> List[Configuration]:
-    """The main run's configurations (with `only`: `off`, `train_state` and those named)."""
+def _main_configs(work: Workload, out_dir: Path, only: Optional[Sequence[str]] = None) -> List[Configuration]:
+    """The main run's configurations (with `only`: `off`, `train_state` and those named), in table order."""
     both = {"train_state": TRAIN_STATE, "moe_monitor": {"save_tokens_per_expert_interval": 1}}
     makers = {
         "off": lambda: Configuration("off", work, out_dir),
@@ -574,22 +574,24 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
                 ours["in_step_ms_per_step"] + ours["buffer_add_extra_ms_per_step"], 1e-9)}
 
 
-def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int, log) -> List[dict]:
-    configs = [Configuration("off", work, out_dir), Configuration("train_state", work, out_dir,
-                                                                  {"train_state": TRAIN_STATE})]
+def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int, log,
+                         extra: Sequence[str] = ()) -> List[dict]:
+    """off, train_state and the `extra` main-run configurations (on models of their own) on `work`'s size."""
+    configs = _main_configs(work, out_dir, extra or ["train_state"])
     samples = run_interleaved(configs, rounds, 1, warmup, log, python_memory=False)
     for config in configs:
         config.close()
     return summarize(samples)
 
 
-def _sweep(work_sizes, key: str, folder: str, args, out_dir: Path, log) -> List[dict]:
-    """off vs train_state for each (value, size): one result per value, under `key`."""
+def _sweep(work_sizes, key: str, folder: str, args, out_dir: Path, log, extra: Sequence[str] = ()) -> List[dict]:
+    """off vs train_state (and `extra`) for each (value, size): one result per value, under `key`."""
     results = []
     for value, size in work_sizes:
         work = Workload(size)
         log(f"{key} run, {value}: {work.describe()}")
-        rows = _off_and_train_state(work, out_dir / f"{folder}{value}", args.scaling_rounds, args.warmup, log)
+        rows = _off_and_train_state(work, out_dir / f"{folder}{value}", args.scaling_rounds, args.warmup, log,
+                                    extra)
         results.append({key: value, "size": work.describe(), "rows": rows})
     return results
 
@@ -602,7 +604,7 @@ def measure_scaling(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
 def measure_sequence(size: BenchSize, args, out_dir: Path, log) -> List[dict]:
     """The main model with longer sequences: more compute per parameter, the same monitoring work."""
     return _sweep([(n, size.with_model(seq_length=n)) for n in args.seq_lengths], "seq_length", "S",
-                  args, out_dir, log)
+                  args, out_dir, log, args.seq_configs)
 
 
 def measure_peers(args, out_dir: Path, log) -> List[dict]:
@@ -708,17 +710,19 @@ def format_tables(result: dict) -> str:
 
 
 def _sequence_lines(runs: List[dict], main: dict) -> List[str]:
-    """train_state's share of the step as the tokens per micro-batch grow (the main run first)."""
+    """The share of the step in mindmon as the tokens per micro-batch grow (the main run's rows first)."""
     if not runs:
         return []
-    lines = ["", "sequence length (train_state vs off, main model):",
-             f"{'tokens':>7}{'off step s':>12}{'x off':>8}{'mindmon ms':>12}{'share of off step':>19}"]
-    shown = [(main["size"]["seq_length"], main["rows"][0], main["rows"][1])]
-    shown += [(run["seq_length"], run["rows"][0], run["rows"][1]) for run in runs]
-    for tokens, off, ours in shown:
-        in_mindmon = ours["in_mindmon_ms_per_step"]
-        lines.append(f"{tokens:>7}{off['median_step_s']:>12.3f}{ours['ratio_to_off']:>8.4f}{in_mindmon:>12.1f}"
-                     f"{in_mindmon / 1000 / off['median_step_s']:>18.2%}")
+    names = [row["config"] for run in runs for row in run["rows"][1:]]
+    lines = ["", "sequence length (vs off, main model):",
+             f"{'tokens':>7}  {'config':<16}{'off step s':>10}{'x off':>8}{'mindmon ms':>12}{'share of off step':>19}"]
+    shown = [(main["size"]["seq_length"], main["rows"])] + [(run["seq_length"], run["rows"]) for run in runs]
+    for tokens, rows in shown:
+        off = rows[0]
+        for ours in (row for row in rows[1:] if row["config"] in names):
+            in_mindmon = ours["in_mindmon_ms_per_step"]
+            lines.append(f"{tokens:>7}  {ours['config']:<16}{off['median_step_s']:>10.3f}{ours['ratio_to_off']:>8.4f}"
+                         f"{in_mindmon:>12.1f}{in_mindmon / 1000 / off['median_step_s']:>18.2%}")
     return lines
 
 
@@ -756,6 +760,8 @@ def parse_args(argv=None):
                         default=["parameters"], help="what the peer runs monitor (each a pair of processes)")
     parser.add_argument("--seq-lengths", type=int, nargs="*", default=[512],
                         help="sequence lengths of the sequence run (the main model, off vs train_state)")
+    parser.add_argument("--seq-configs", nargs="*", default=["tensor_stats"],
+                        help="main-run configurations the sequence run measures besides train_state")
     parser.add_argument("--scaling-hidden", type=int, default=128,
                         help="hidden size of the scaling run (ffn = 2x); smaller than the main run's so 32 "
                              "layers fit the time budget")
