@@ -198,3 +198,51 @@ def test_gradient_hooks_only_on_collected_steps(tmp_path, output_root):
     assert {key for key in rows if key[0] == "grad_unreduced"} == {("grad_unreduced", step, None, name)
                                                                   for step in (0, 2) for name in NAMES}
     assert_statistics(rows, reference)
+
+
+def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_path, output_root):
+    """h = fc1(x) feeds fc2 and also a residual (o = fc2(h) + h). fc2's `input` gradient is fc2's share of
+    d loss / d h (d_o @ W2), not the total (d_o @ W2 + d_o) that fc1's `output` gradient is: what a cell
+    backward hook gives as grad_input, here from a view of the input. Against float64 numpy."""
+    import json
+
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+
+    from mindmon.msprobe import TrainerMon
+
+    class Residual(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(4, 6), nn.Dense(6, 6)
+
+        def construct(self, x):
+            h = self.fc1(x)
+            return self.fc2(h) + h
+
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(5, 4)).astype(np.float32), rng.normal(size=(5, 6)).astype(np.float32)
+    model = Residual()
+    model.set_train(True)
+    w1, b1, w2, b2 = (p.asnumpy().astype(np.float64) for p in model.trainable_params())
+    optimizer = nn.SGD(model.trainable_params(), 0.1)
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps({"xy_distribution": True, "backward_only": True, "ops": ["norm", "max"],
+                                "ndigits": 12}))
+    monitor = TrainerMon(str(path), params_have_main_grad=False)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    _, grads = value_and_grad(lambda a, b: nn.MSELoss()(model(a), b), None, optimizer.parameters)(ms.Tensor(x),
+                                                                                                ms.Tensor(y))
+    optimizer(grads)
+    monitor.close()
+    h = x.astype(np.float64) @ w1.T + b1
+    o = h @ w2.T + b2 + h
+    d_o = 2 * (o - y) / o.size
+    expected = {".output": d_o, "fc2.output": d_o, "fc2.input": d_o @ w2, "fc1.output": d_o @ w2 + d_o}
+    rows = rows_of(output_root)
+    assert {key[3] for key in rows} == set(expected)   # x needs no gradient: no `input` row of fc1 or the root
+    for (kind, step, micro_step, name), record in rows.items():
+        assert (kind, step, micro_step) == ("actv_grad", 0, 0)
+        for op, value in zip(record.ops, record.value):
+            want = statistic(expected[name], op)
+            assert abs(value - want) <= RTOL * abs(want), (name, op, value, want)

@@ -135,13 +135,9 @@ def select(spec: Optional[Spec], value) -> List[Tuple[Optional[int], Optional[in
     return [(None, spec.index, chosen)]
 
 
-def named_tensors(cell: str, key: str, spec: Optional[Spec], value) -> List[Tuple[str, object]]:
-    """The rows one key of one cell gives: tensors only (None gradients and non-tensor arguments have none)."""
-    return [(row, item) for row, _, item in _named_items(cell, key, spec, value)]
-
-
 def _named_items(cell: str, key: str, spec: Optional[Spec], value) -> List[Tuple[str, Optional[int], object]]:
-    """(row name, index in the tuple or None, tensor) of what one key of one cell gives."""
+    """(row name, index in the tuple or None, tensor) of the rows one key of one cell gives: tensors only
+    (None gradients and non-tensor arguments have none)."""
     base = f"{cell}.{_ROW_NAME[key]}"
     return [(base if position is None else f"{base}_{position}", index, item)
             for position, index, item in select(spec, value) if is_tensor(item)]
