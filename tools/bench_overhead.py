@@ -300,10 +300,9 @@ class HookTimer:
         this bench process times every one it makes (only the activations configuration makes any)."""
         from mindmon.msprobe.activations import ActivationHooks
 
-        for factory in ("_forward_hook", "_backward_hook"):
+        for factory in ("_forward_hook", "_input_gradient_hook", "_output_gradient_hook", "_gradient_hook"):
             make = getattr(ActivationHooks, factory)
-            setattr(ActivationHooks, factory,
-                    lambda hooks, name, plan, make=make: self.wrap(make(hooks, name, plan), True))
+            setattr(ActivationHooks, factory, lambda hooks, *args, make=make: self.wrap(make(hooks, *args), True))
 
 
 ALL_OPS = ["min", "max", "mean", "norm", "zeros", "nans"]

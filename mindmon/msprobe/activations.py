@@ -290,16 +290,19 @@ class ActivationHooks:
             self._watch(tensor, row)
 
     def _watch(self, tensor, row: str) -> bool:
-        """The tensor's gradient, when MindSpore computes it, becomes an actv_grad row of the micro-step then
-        running; False for a tensor that needs no gradient (data, masks): no row, as for a None gradient."""
-        def on_gradient(gradient):
-            if self.collecting():
-                self.guard(self.record, ACTV_GRAD, [(row, gradient)], self.micro_steps.current)
+        """The tensor's gradient, when MindSpore computes it, becomes an actv_grad row; False for a tensor
+        that needs no gradient (data, masks): no row, as for a None gradient."""
         try:
-            register_gradient_hook(tensor, on_gradient)
+            register_gradient_hook(tensor, self._gradient_hook(row))
         except RuntimeError:   # "The tensor requires grad is false"
             return False
         return True
+
+    def _gradient_hook(self, row: str):
+        def hook(gradient):
+            if self.collecting():   # the micro-step then running is the one whose forward set the hook
+                self.guard(self.record, ACTV_GRAD, [(row, gradient)], self.micro_steps.current)
+        return hook
 
     def _checked(self, name: str, key: str, spec: Optional[Spec], value) -> list:
         """`_named_items`, or [] once the value has not fitted its spec (said once; that direction of the
