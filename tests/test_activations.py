@@ -187,9 +187,10 @@ def test_gradient_hooks_only_on_collected_steps(tmp_path, output_root):
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
     # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step. Always: a
-    # forward hook per cell (actv) and the root's micro-step counter. Before a collected step (after step 1)
-    # also a forward hook (outputs' gradients) and a pre-hook (inputs' gradients) per cell and 4 parameter hooks.
-    assert attached == [(0, 0, 4, 1), (0, 4, 8, 5), (0, 0, 4, 1)]
+    # forward hook per cell (actv) and the root's micro-step counter (which also puts the root's inputs in
+    # place). Before a collected step (after step 1) also a forward hook (outputs' gradients) per cell, a
+    # pre-hook (inputs' gradients) per cell but the root, and 4 parameter hooks.
+    assert attached == [(0, 0, 4, 1), (0, 4, 8, 4), (0, 0, 4, 1)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}
@@ -246,3 +247,28 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
         for op, value in zip(record.ops, record.value):
             want = statistic(expected[name], op)
             assert abs(value - want) <= RTOL * abs(want), (name, op, value, want)
+
+
+def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
+    """Without an optimizer (set_monitor(..., optimizer=None), as kj600's hook_modules), a step ends inside
+    the root's forward pre-hook, where the gradient hooks of the next step are attached and those of a step
+    not collected removed. With step_interval 2 over 4 steps the run goes through, and steps 0 and 2 (the
+    root's and every cell's gradients too) equal numpy."""
+    import json
+
+    from activations_reference import train
+    from mindmon.msprobe import TrainerMon
+
+    class WithoutOptimizer(TrainerMon):
+        def hook_modules(self, model, grad_acc_steps):
+            self.set_monitor(model, grad_acc_steps, None)
+
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12,
+                                "step_interval": 2}))
+    monitor = train(lambda: WithoutOptimizer(str(path), params_have_main_grad=False), 4, optimizer_to_monitor=False)
+    monitor.close()
+    rows = rows_of(output_root)
+    reference = activation_rows(3)   # step 3's forward ends step 2 (the reference has the first three steps)
+    assert set(rows) == {key for key in reference if key[1] in (0, 2)}
+    assert_statistics(rows, reference)

@@ -194,7 +194,8 @@ class ActivationHooks:
         self.micro_steps = micro_steps
         self.guard = guard
         self.handles: Dict[Tuple[str, str], object] = {}
-        self._gradient_plans: List[Tuple[str, object, Dict[str, Optional[Spec]]]] = []
+        self._gradient_plans: List[Tuple[str, object, Dict[str, Optional[Spec]], bool]] = []
+        self._root_input_hook: Optional[Callable] = None
         self._mismatched: List[Tuple[str, str]] = []
         # Hook calls of a collected step from cells in training mode / in eval mode: a step with only the
         # latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
@@ -211,7 +212,7 @@ class ActivationHooks:
             if forward:
                 self.handles[(name, "forward")] = cell.register_forward_hook(self._forward_hook(name, forward))
             if backward:
-                self._gradient_plans.append((name, cell, backward))
+                self._gradient_plans.append((name, cell, backward, cell is model))
             count += bool(plan)
         self.follow_collection()
         return count
@@ -219,25 +220,34 @@ class ActivationHooks:
     def follow_collection(self) -> None:
         """Gradient hooks on for a collected step, off for one that is not (called between steps)."""
         collecting = self.collecting()
-        for name, cell, plan in self._gradient_plans:
+        for name, cell, plan, root in self._gradient_plans:
             key = (name, "backward")
             if collecting and key not in self.handles and key not in self._mismatched:
-                self.handles[key] = self._attach_gradient_hooks(name, cell, plan)
+                self.handles[key] = self._attach_gradient_hooks(name, cell, plan, root)
             elif not collecting and key in self.handles:
                 self.handles.pop(key).remove()
 
-    def _attach_gradient_hooks(self, name: str, cell, plan: Dict[str, Optional[Spec]]) -> "HookGroup":
+    def _attach_gradient_hooks(self, name: str, cell, plan: Dict[str, Optional[Spec]], root: bool) -> "HookGroup":
         """Gradients come from tensor hooks set in each forward: on the outputs, and on a view of each input
         that the cell gets in the input's place. The view has this cell as its only user, so its gradient is
         this cell's share of the input's gradient (a hook on the input itself would get the sum over all its
         users). MindSpore's cell backward hooks give the same two values, but slowed every step by about a
-        tenth; these cost about a third of that (docs/performance.md)."""
+        tenth; these cost about a third of that (docs/performance.md). The root's inputs go through the
+        micro-step counter's pre-hook (`root_inputs`): a step can end inside that hook, and adding or removing
+        one of the root's pre-hooks then would change the dict MindSpore is iterating."""
         handles = []
-        if "input_grad" in plan:
+        if "input_grad" in plan and root:
+            self._root_input_hook = self._input_gradient_hook(name, plan["input_grad"])
+            handles.append(_RootInputs(self))
+        elif "input_grad" in plan:
             handles.append(cell.register_forward_pre_hook(self._input_gradient_hook(name, plan["input_grad"])))
         if "output_grad" in plan:
             handles.append(cell.register_forward_hook(self._output_gradient_hook(name, plan["output_grad"])))
         return HookGroup(handles)
+
+    def root_inputs(self, cell, inputs) -> Optional[tuple]:
+        """The root cell's inputs, put in place by the micro-step counter (see `_attach_gradient_hooks`)."""
+        return self._root_input_hook(cell, inputs) if self._root_input_hook is not None else None
 
     def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
         def hook(cell, inputs, output):
@@ -350,13 +360,28 @@ class HookGroup:
             handle.remove()
 
 
-def root_forward_counter(model, micro_steps: MicroSteps, on_new_forward: Optional[Callable] = None):
-    """The root cell's forward pre-hook that counts micro-steps (only forwards in training mode)."""
+class _RootInputs:
+    """The handle of the root's input gradients (`ActivationHooks.root_inputs`)."""
+
+    def __init__(self, hooks: ActivationHooks):
+        self.hooks = hooks
+
+    def remove(self) -> None:
+        self.hooks._root_input_hook = None
+
+
+def root_forward_counter(model, micro_steps: MicroSteps, on_new_forward: Optional[Callable] = None,
+                         inputs_in_place: Optional[Callable] = None):
+    """The root cell's forward pre-hook that counts micro-steps (only forwards in training mode);
+    `inputs_in_place(cell, inputs)` may then give the inputs the root gets (None: unchanged)."""
     def hook(cell, inputs):
         if cell.training:
             if on_new_forward is not None:
                 on_new_forward()
             micro_steps.begin_forward()
+            if inputs_in_place is not None:
+                return inputs_in_place(cell, inputs)
+        return None
     return model.register_forward_pre_hook(hook)
 
 
