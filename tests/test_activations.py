@@ -168,11 +168,10 @@ def test_generate_xy_metrics_mid_step(tmp_path, output_root):
     monitor.close()
 
 
-def test_gradient_hooks_only_on_collected_steps(tmp_path, output_root):
+def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
     """MindSpore slows every step that has cell backward or parameter gradient hooks, even when they return
-    at once. mindmon uses no cell backward hook; the hooks that set the gradients' tensor hooks in the
-    forward, and the parameter hooks, are attached for collected steps only. With step_interval 2, steps 0
-    and 2 are collected (and are right against numpy after the hooks came back)."""
+    at once: they are attached for collected steps only. With step_interval 2, steps 0 and 2 are collected
+    (and are right against numpy after the hooks came back); between steps 0 and 1 there are none."""
     from msprobe_reference import reference_run
 
     models, attached = [], []
@@ -181,16 +180,14 @@ def test_gradient_hooks_only_on_collected_steps(tmp_path, output_root):
         cells = [cell for _, cell in models[0].cells_and_names()]
         attached.append((sum(len(cell._backward_hook) for cell in cells),
                          sum(len(param.hooks()) for param in models[0].trainable_params()),
-                         sum(len(cell._forward_hook) for cell in cells),
-                         sum(len(cell._forward_pre_hook) for cell in cells)))
+                         sum(len(cell._forward_hook) for cell in cells)))
 
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
-    # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step. Always: a
-    # forward hook per cell (actv) and the root's micro-step counter (which also puts the root's inputs in
-    # place). Before a collected step (after step 1) also a forward hook (outputs' gradients) per cell, a
-    # pre-hook (inputs' gradients) per cell but the root, and 4 parameter hooks.
-    assert attached == [(0, 0, 4, 1), (0, 4, 8, 4), (0, 0, 4, 1)]
+    # (cell backward hooks, parameter hooks, forward hooks) after each step: after step 0 (step 1 next, not
+    # collected) no backward hook; after step 1 (step 2 next) 4 cells and 4 parameters. The forward hooks
+    # stay (they cost nothing measurable); after step 2 the next step is not collected.
+    assert attached == [(0, 0, 4), (4, 4, 4), (0, 0, 4)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}
@@ -203,8 +200,8 @@ def test_gradient_hooks_only_on_collected_steps(tmp_path, output_root):
 
 def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_path, output_root):
     """h = fc1(x) feeds fc2 and also a residual (o = fc2(h) + h). fc2's `input` gradient is fc2's share of
-    d loss / d h (d_o @ W2), not the total (d_o @ W2 + d_o) that fc1's `output` gradient is: what a cell
-    backward hook gives as grad_input, here from a view of the input. Against float64 numpy."""
+    d loss / d h (d_o @ W2), not the total (d_o @ W2 + d_o) that fc1's `output` gradient is (what a cell
+    backward hook gives as grad_input; a tensor hook on h would give the total). Against float64 numpy."""
     import json
 
     import mindspore as ms
@@ -251,9 +248,9 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
 
 def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
     """Without an optimizer (set_monitor(..., optimizer=None), as kj600's hook_modules), a step ends inside
-    the root's forward pre-hook, where the gradient hooks of the next step are attached and those of a step
-    not collected removed. With step_interval 2 over 4 steps the run goes through, and steps 0 and 2 (the
-    root's and every cell's gradients too) equal numpy."""
+    the root's forward pre-hook, where the backward hooks of the next step are attached (the root's own
+    too) and those of a step not collected removed. With step_interval 2 over 4 steps the run goes
+    through, and steps 0 and 2 (the root's and every cell's gradients too) equal numpy."""
     import json
 
     from activations_reference import train

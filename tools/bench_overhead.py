@@ -300,7 +300,7 @@ class HookTimer:
         this bench process times every one it makes (only the activations configuration makes any)."""
         from mindmon.msprobe.activations import ActivationHooks
 
-        for factory in ("_forward_hook", "_input_gradient_hook", "_output_gradient_hook", "_gradient_hook"):
+        for factory in ("_forward_hook", "_backward_hook"):
             make = getattr(ActivationHooks, factory)
             setattr(ActivationHooks, factory, lambda hooks, *args, make=make: self.wrap(make(hooks, *args), True))
 

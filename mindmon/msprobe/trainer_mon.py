@@ -292,7 +292,7 @@ class TrainerMon:
         if optimizer is not None:
             self._handles += _hook_optimizer_calls(optimizer, self._before_update, self._after_update)
         by_forwards = self._end_step_by_forwards if optimizer is None else None
-        self._handles.append(root_forward_counter(model, self._micro_steps, by_forwards, self._root_inputs))
+        self._handles.append(root_forward_counter(model, self._micro_steps, by_forwards))
 
     def _attach_capabilities(self, config: TensorStatsConfig) -> None:
         if config.print_struct:   # the structure only: what msprobe users run first, to write their targets
@@ -339,9 +339,6 @@ class TrainerMon:
         self._activations = self._struct = self._stacks = None
         self._hooked_cells = 0
         self._sums.release()
-
-    def _root_inputs(self, cell, inputs) -> Optional[tuple]:
-        return self._activations.root_inputs(cell, inputs) if self._activations is not None else None
 
     def _gradient_hook(self, index: int, name: str):
         def hook(grad):
