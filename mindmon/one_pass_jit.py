@@ -1,5 +1,5 @@
 """numba's compilation of `one_pass._one_pass`, over a numpy array and over memory at an address, and of
-`one_pass._add_and_squares` (the training step's gradient add with its norms).
+the training step's gradient add with its norms (`one_pass.add_and_squares`, driven from here).
 
 The address form is for tensors: a tensor's data pointer goes straight into the compiled code, where
 building a numpy array around it first (a ctypes buffer, `frombuffer`, two bit views) cost several
