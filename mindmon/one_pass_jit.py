@@ -1,5 +1,6 @@
-"""numba's compilation of `one_pass._one_pass`, over a numpy array and over memory at an address, and of
-the training step's gradient add with its norms (`one_pass.add_and_squares`, driven from here).
+"""numba's compilation of `one_pass._one_pass`, over a numpy array and over memory at an address, of the
+training step's gradient add with its norms (`one_pass.add_and_squares`, driven from here), and of a
+gradient hook's add from an address (`one_pass.add_at`).
 
 The address form is for tensors: a tensor's data pointer goes straight into the compiled code, where
 building a numpy array around it first (a ctypes buffer, `frombuffer`, two bit views) cost several
@@ -13,7 +14,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-from .one_pass import _BLOCK, _add_block, _copy_block, _one_pass, _statistics_row
+from .one_pass import _BLOCK, _add_block, _copy_block, _copy_or_add, _one_pass, _statistics_row
 
 # Reassociation lets the sums use vector lanes, nsz drops the widening of float32 values into float32
 # sums; no nnan/ninf: NaN and inf keep their meaning. Only the loop gets these: the statistics made
@@ -94,3 +95,19 @@ def _python_float32_at(table, eps, small_size, codes, rows):
 
 
 float32_at = _python_float32_at if numba.config.DISABLE_JIT else _jit(_float32_at)
+
+
+_copy_or_add_loop = _jit(_copy_or_add, fastmath=True)
+
+
+def _add_at(total, address, first):
+    _copy_or_add_loop(total, numba.carray(_FLOAT32(address), total.size), first)
+
+
+def _python_add_at(total, address, first):
+    """`_add_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
+    micro = np.frombuffer((ctypes.c_char * (total.size * 4)).from_address(address), np.float32)
+    _copy_or_add(total, micro, first)
+
+
+add_at = _python_add_at if numba.config.DISABLE_JIT else _jit(_add_at)

@@ -374,3 +374,20 @@ def test_add_and_squares_against_float64_numpy():
                 tolerance = 0.0 if exact else 1e-5
                 assert abs(accumulated - np.dot(wide, wide)) <= tolerance * np.dot(wide, wide), (exact, size, k)
                 assert own == 0.0 if k == 0 else abs(own - np.dot(mine, mine)) <= tolerance * np.dot(mine, mine)
+
+
+def test_add_at_copies_then_adds_what_lies_at_the_address():
+    """A gradient hook's add from a tensor's data pointer: `first` copies, later calls add, exactly as numpy
+    adds float32 (sizes across the loop's vector width); only `total.size` values are read."""
+    from mindmon.one_pass import add_at
+
+    rng = np.random.default_rng(9)
+    for size in (1, 7, 8, 9, 4097, 100_003):
+        micro = [rng.normal(0.0, 1.0 + k, size=size + 1).astype(np.float32) for k in range(3)]
+        for gradient in micro:
+            gradient[-1] = np.nan   # one past the end: must not reach the sum
+        total, expected = np.full(size, np.nan, np.float32), None
+        for k, gradient in enumerate(micro):
+            add_at(total, gradient.ctypes.data, k == 0)
+            expected = gradient[:size].copy() if k == 0 else expected + gradient[:size]
+            assert np.array_equal(total, expected), (size, k)

@@ -7,12 +7,14 @@ the memory traffic of float64, which took a third of the statistics' time), othe
 elsewhere it stays on the device.
 """
 import logging
+import math
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
 from ..monitors.tensor_stats import HostTensor, describe
-from ..stats import StepDirectViews, _host_array
+from ..one_pass import add_at
+from ..stats import StepDirectViews, _host_array, direct_location
 
 logger = logging.getLogger("mindmon")
 
@@ -45,18 +47,28 @@ class GradientSums:
             self._sums[index] = (name, grad if previous is None else previous[1] + grad)
 
     def _add_on_host(self, index: int, name: str, grad) -> None:
-        flat = _host_array(grad, self.direct_views.allowed())
-        if index in self._sums:
-            total = self._sums[index][1]
-            np.add(total.array, flat.reshape(total.array.shape), out=total.array)
-        else:
-            shape, dtype = describe(grad)
-            sum_dtype = np.float32 if flat.dtype == np.float32 else np.float64
-            array = self._buffers.get(index)
-            if array is None or array.shape != shape or array.dtype != sum_dtype:
-                array = self._buffers[index] = np.empty(shape, sum_dtype)
-            np.copyto(array, flat.reshape(shape))   # a copy: the hook's buffer may be reused
+        shape, dtype = describe(grad)
+        known = self._sums.get(index)
+        if known is None:
+            array = self._buffer(index, shape, np.float32 if dtype == "Float32" else np.float64)
             self._sums[index] = (name, HostTensor(array, dtype))
+        else:
+            array = known[1].array
+        first = known is None
+        location = (direct_location(grad, dtype, math.prod(shape))
+                    if dtype == "Float32" and array.dtype == np.float32 and self.direct_views.allowed() else None)
+        # Copied, not referenced, at the first micro-batch: the hook's buffer may be reused.
+        if location is not None and 0 < location.size == array.size:   # read where it lies, no array built
+            add_at(array.reshape(-1), location.address, first)
+            return
+        flat = _host_array(grad, self.direct_views.allowed(), dtype).reshape(array.shape)
+        np.copyto(array, flat) if first else np.add(array, flat, out=array)
+
+    def _buffer(self, index: int, shape: tuple, dtype) -> np.ndarray:
+        array = self._buffers.get(index)
+        if array is None or array.shape != shape or array.dtype != dtype:
+            array = self._buffers[index] = np.empty(shape, dtype)
+        return array
 
     def named_sums(self) -> List[Tuple[str, object]]:
         return [self._sums[index] for index in sorted(self._sums)]
