@@ -102,12 +102,33 @@ def test_rows_of_a_file_take_the_short_way_to_format_rows_text(significant):
     records = [TensorStatsRecord(4, micro, 0, "actv", f"cell{i}.output", values[i:i + 3], ops=ops, shape=shape,
                                  dtype="Float32")
                for i in range(0, len(values) - 2, 3) for micro, shape in ((i % 4, (2, 3)), (None, [5]))]
-    records.append(TensorStatsRecord(4, 1, 0, "actv", "other", [1.5, 2.5], ops=("norm", "min"), shape=(1,),
-                                     dtype="Float16"))
+    records.append(TensorStatsRecord(4, 1, 0, "actv", "other", [2.5, 123456789.123456789], ops=("norm", "min"),
+                                     shape=(1,), dtype="Float16"))   # the long way, in either mode
     for micro in (False, True):
         columns = fmt.header(ops, micro)
         for ndigits in (0, 6, 12):
             expected = [fmt.format_row(r, columns, ndigits, significant) for r in records]
             assert fmt.format_rows(records, columns, ndigits, significant) == expected
-    assert fmt.format_rows(records[:1], fmt.header(ops, True), 12)[0][3:6] == [
-        "0", repr(round(values[0], 12)), repr(round(values[1], 12))]
+    plain = TensorStatsRecord(4, 0, 0, "actv", "x", [123456789.123456789, 1e-13, 0.1], ops=ops, shape=(1,),
+                              dtype="Float32")   # rounded to ndigits by default, as format_row
+    assert fmt.format_rows([plain], fmt.header(ops, True), 12)[0][3:7] == [
+        "0", "123456789.12345679", "0.0", "0.1"] == fmt.format_row(plain, fmt.header(ops, True), 12)[3:7]
+
+
+def test_records_whose_ops_are_the_header_never_take_the_long_way(monkeypatch):
+    """The short way is the point of format_rows (thousands of activation rows per step): every record whose
+    ops are its file's header takes it, with or without a micro-step, in either kind of file; only a
+    record whose ops differ goes field by field."""
+    ops = ("min", "max")
+    records = [TensorStatsRecord(2, micro, 0, "actv", name, [1.0, 2.0], ops=ops, shape=(3,), dtype="Float32")
+               for name, micro in (("a", 0), ("b", None), ("c", 3))]
+    records.insert(1, TensorStatsRecord(2, 0, 0, "actv", "d", [1.0], ops=("norm",), shape=(3,), dtype="Float32"))
+    long_way = []
+    format_row = fmt.format_row
+    monkeypatch.setattr(fmt, "format_row", lambda record, *args: (long_way.append(record.name),
+                                                                    format_row(record, *args))[1])
+    for micro in (True, False):
+        long_way.clear()
+        rows = fmt.format_rows(records, fmt.header(ops, micro), 6)
+        assert long_way == ["d"] and [row[1] for row in rows] == ["a", "d", "b", "c"]
+        assert rows[0] == ["0", "a", "1"] + (["0"] if micro else []) + ["1.0", "2.0", "(3,)", "Float32"]

@@ -111,7 +111,7 @@ def format_rows(records: Sequence[TensorStatsRecord], columns: Sequence[str], nd
         ops = tuple(record.ops)
         if ops not in fits:
             fits[ops] = columns == header(ops, micro)
-        if not fits[ops] or (record.micro_step is not None and not micro):
+        if not fits[ops]:
             rows.append(format_row(record, columns, ndigits, significant))
             continue
         shape = tuple(record.shape)
