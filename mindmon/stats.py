@@ -94,14 +94,20 @@ class DirectLocation(NamedTuple):
     dtype: np.dtype
 
 
+def addressable(tensor) -> bool:
+    """Whether a CPU tensor's elements lie in order at its data pointer: contiguous, initialised (a lazily
+    initialised Parameter has no memory yet), and MindSpore gives the pointer. Only where
+    `direct_views_allowed()`."""
+    return hasattr(tensor, "_data_ptr") and not getattr(tensor, "has_init", False) and tensor.is_contiguous()
+
+
 def direct_location(tensor, name: str, size: Optional[int] = None) -> Optional[DirectLocation]:
     """Where a CPU tensor's memory is, from its data pointer (which includes the storage offset), or None
     where `asnumpy()` is needed (non-contiguous views, lazily initialised Parameters, other dtypes).
     `name`: the tensor's dtype as `dtype_name` gives it; `size`: its element count, when the caller knows
     it (each MindSpore attribute read costs microseconds). Only where `direct_views_allowed()`."""
     dtype = _DTYPES.get(name)
-    if (dtype is None or not hasattr(tensor, "_data_ptr") or getattr(tensor, "has_init", False)
-            or not tensor.is_contiguous()):
+    if dtype is None or not addressable(tensor):
         return None
     size = int(tensor.size) if size is None else size
     pointer = tensor._data_ptr() if size else 0

@@ -34,7 +34,7 @@ from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
 from ..one_pass import ROW_STATISTICS, prepare, reductions, reductions_at
-from ..stats import _SMALL, StepDirectViews, _direct_view, _host_array, direct_location
+from ..stats import _SMALL, StepDirectViews, _direct_view, _host_array, addressable
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
@@ -94,13 +94,14 @@ def host_statistics(tensors: Sequence, layouts: Sequence[Tuple[tuple, str]], ops
     The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
     rows = np.empty((len(tensors), len(ops)))
     located = []   # (row, address, size) of the tensors read where they lie
-    for index, (tensor, (shape, dtype)) in enumerate(zip(tensors, layouts)):
-        location = (direct_location(tensor, dtype, math.prod(shape)) if direct and shape and dtype == "Float32"
-                    else None)
-        if location is not None and location.size:
-            located.append((index, location.address, location.size))
-        else:
-            rows[index] = numpy_stats(_host_array(tensor, direct, dtype), ops, eps, not shape)
+    for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
+        shape, dtype = layouts[index]
+        if direct and shape and dtype == "Float32" and addressable(tensor):
+            address, size = tensor._data_ptr(), math.prod(shape)
+            if address and size:
+                located.append((index, address, size))
+                continue
+        rows[index] = numpy_stats(_host_array(tensor, direct, dtype), ops, eps, not shape)
     if located:
         table = np.array(located, dtype=np.int64)
         for k in reductions_at(table, eps, _SMALL, _codes(ops), rows).tolist():   # NaN or inf: numpy's rules
