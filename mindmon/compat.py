@@ -98,17 +98,26 @@ def register_gradient_hook(tensor, hook):
 def dtype_name(dtype) -> str:
     """MindSpore's name of a dtype, `Float32` (what msprobe's CSV files hold). mindnlp makes `str()` of a
     dtype its repr, `mindspore.float32`; that is turned back into the name. Remembered per dtype: it is
-    asked for every tensor a hook sees, and `str()` of a dtype costs twice a dictionary look-up."""
+    asked for every tensor a hook sees. MindSpore hands out one object per dtype, so the look-up is by
+    identity first (hashing a dtype calls into MindSpore: 4.3 -> 3.3 us for `describe`, warm), then by
+    value."""
+    known = _NAMES_BY_IDENTITY.get(id(dtype))
+    if known is not None and known[0] is dtype:
+        return known[1]
     try:
         name = _DTYPE_NAMES.get(dtype)
     except TypeError:   # not hashable: nothing to remember it by
         return _name_of(str(dtype))
     if name is None:
         name = _DTYPE_NAMES[dtype] = _name_of(str(dtype))
+    if len(_NAMES_BY_IDENTITY) < _IDENTITIES_KEPT:   # bounded, should dtypes ever be fresh objects
+        _NAMES_BY_IDENTITY[id(dtype)] = (dtype, name)   # holds the object: its id is not reused
     return name
 
 
 _DTYPE_NAMES: dict = {}
+_NAMES_BY_IDENTITY: dict = {}
+_IDENTITIES_KEPT = 64
 
 
 def _name_of(text: str) -> str:

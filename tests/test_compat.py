@@ -43,3 +43,30 @@ def test_a_cells_parameter_names_are_its_own():
 def test_dtype_names_are_msprobes_whatever_str_gives(dtype, name):
     assert compat.dtype_name(dtype) == name
     assert compat.dtype_name(repr(dtype)) == name   # what str() gives once mindnlp is imported
+
+
+def test_dtype_names_remembered_by_identity_stay_right_for_fresh_objects(monkeypatch):
+    """Names are remembered by the dtype object's identity (MindSpore's dtypes are one object each): the
+    same object gives its name from there; objects made afresh each time, equal by value, still get their
+    own names, and no more than a bounded number of them is held."""
+    monkeypatch.setattr(compat, "_NAMES_BY_IDENTITY", {})
+
+    class FreshDtype:   # hashable by value, as MindSpore's dtypes are, but a new object every time
+        def __init__(self, text):
+            self.text = text
+
+        def __str__(self):
+            return self.text
+
+        def __eq__(self, other):
+            return str(other) == self.text
+
+        def __hash__(self):
+            return hash(self.text)
+
+    assert compat.dtype_name(ms.float16) == "Float16" and compat.dtype_name(ms.float16) == "Float16"
+    assert compat._NAMES_BY_IDENTITY[id(ms.float16)] == (ms.float16, "Float16")
+    for index in range(200):
+        text = ("mindspore.float32", "mindspore.int8")[index % 2]
+        assert compat.dtype_name(FreshDtype(text)) == ("Float32", "Int8")[index % 2]
+    assert len(compat._NAMES_BY_IDENTITY) == compat._IDENTITIES_KEPT
