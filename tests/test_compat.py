@@ -38,35 +38,58 @@ def test_a_cells_parameter_names_are_its_own():
     assert names_in_model(dense, parameters) == [p.name for p in parameters] == ["weight", "bias"]
 
 
-@pytest.mark.parametrize("dtype, name", [(ms.float32, "Float32"), (ms.bfloat16, "BFloat16"), (ms.uint8, "UInt8"),
-                                         (ms.bool_, "Bool"), (ms.int64, "Int64")])
-def test_dtype_names_are_msprobes_whatever_str_gives(dtype, name):
-    assert compat.dtype_name(dtype) == name
-    assert compat.dtype_name(repr(dtype)) == name   # what str() gives once mindnlp is imported
-
-
-def test_dtype_names_remembered_by_identity_stay_right_for_fresh_objects(monkeypatch):
-    """Names are remembered by the dtype object's identity (MindSpore's dtypes are one object each): the
-    same object gives its name from there; objects made afresh each time, equal by value, still get their
-    own names, and no more than a bounded number of them is held."""
+@pytest.fixture
+def fresh_names(monkeypatch):
+    """dtype_name's tables empty, as in a fresh process."""
+    monkeypatch.setattr(compat, "_DTYPE_NAMES", {})
     monkeypatch.setattr(compat, "_NAMES_BY_IDENTITY", {})
 
-    class FreshDtype:   # hashable by value, as MindSpore's dtypes are, but a new object every time
-        def __init__(self, text):
-            self.text = text
+
+@pytest.mark.parametrize("dtype, name", [(ms.float32, "Float32"), (ms.bfloat16, "BFloat16"), (ms.uint8, "UInt8"),
+                                         (ms.bool_, "Bool"), (ms.int64, "Int64")])
+def test_dtype_names_are_msprobes_whatever_str_gives(dtype, name, fresh_names):
+    for _ in range(2):   # made, then remembered
+        assert compat.dtype_name(dtype) == name
+        assert compat.dtype_name(repr(dtype)) == name   # what str() gives once mindnlp is imported
+
+
+class _Dtype:
+    """A dtype-like object: hashable by its text, as MindSpore's dtypes are; counts str() and hash()."""
+
+    def __init__(self, text, calls):
+        self.text, self.calls = text, calls
+
+    def __str__(self):
+        self.calls.append("str")
+        return self.text
+
+    def __eq__(self, other):
+        return isinstance(other, _Dtype) and other.text == self.text
+
+    def __hash__(self):
+        self.calls.append("hash")
+        return hash(self.text)
+
+
+def test_dtype_names_remembered_by_identity_stay_right_for_fresh_objects(fresh_names):
+    """Names are remembered by the dtype object's identity (MindSpore's dtypes are one object each): the
+    same object gives its name again without hashing it; objects made afresh each time, equal by value,
+    get their names from the value table (str() once per value), and no more than a bounded number of
+    objects is held; an object that cannot be hashed still gets its name."""
+    calls = []
+    float16 = _Dtype("mindspore.float16", calls)
+    assert compat.dtype_name(float16) == "Float16" and calls.count("str") == 1
+    calls.clear()
+    assert [compat.dtype_name(float16) for _ in range(3)] == ["Float16"] * 3 and calls == []
+    for index in range(200):
+        assert compat.dtype_name(_Dtype(("mindspore.float32", "mindspore.int8")[index % 2], calls)) == (
+            "Float32", "Int8")[index % 2]
+    assert calls.count("str") == 2 and len(compat._NAMES_BY_IDENTITY) == compat._IDENTITIES_KEPT
+
+    class Unhashable:
+        __hash__ = None
 
         def __str__(self):
-            return self.text
+            return "mindspore.uint8"
 
-        def __eq__(self, other):
-            return str(other) == self.text
-
-        def __hash__(self):
-            return hash(self.text)
-
-    assert compat.dtype_name(ms.float16) == "Float16" and compat.dtype_name(ms.float16) == "Float16"
-    assert compat._NAMES_BY_IDENTITY[id(ms.float16)] == (ms.float16, "Float16")
-    for index in range(200):
-        text = ("mindspore.float32", "mindspore.int8")[index % 2]
-        assert compat.dtype_name(FreshDtype(text)) == ("Float32", "Int8")[index % 2]
-    assert len(compat._NAMES_BY_IDENTITY) == compat._IDENTITIES_KEPT
+    assert compat.dtype_name(Unhashable()) == "UInt8"

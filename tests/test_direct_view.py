@@ -149,6 +149,20 @@ def test_float_tensors_are_read_at_their_address_and_everything_else_as_before(m
         assert np.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True), (label, got, want)
 
 
+def test_empty_float32_tensors_are_not_read_at_their_address():
+    """MindSpore gives an empty tensor a data pointer too; nothing may be read there. Its row is the empty
+    tensor's: no min, max, mean or share of zeros (NaN), norm 0, no NaN counted, next to a normal row."""
+    normal = ms.Tensor(np.float32([3.0, -4.0]))
+    empties = [ms.Tensor(np.zeros((0,), np.float32)), ms.Tensor(np.zeros((3, 0), np.float32))]
+    assert all(t._data_ptr() for t in empties)
+    stats = TensorStats(("min", "max", "mean", "norm", "zeros", "nans"), 1e-8, on_host=True)
+    stats.add("actv", [("a", empties[0]), ("b", normal), ("c", empties[1])])
+    rows = stats.results()[0][4].tolist()
+    empty = [math.nan, math.nan, math.nan, 0.0, math.nan, 0.0]
+    assert np.array_equal(rows[0], empty, equal_nan=True) and np.array_equal(rows[2], empty, equal_nan=True)
+    assert rows[1] == [-4.0, 3.0, -0.5, 5.0, 0.0, 0.0]
+
+
 def test_ops_not_seen_before_get_their_codes(monkeypatch):
     """The ops -> codes table starts empty in a fresh process: ops in an order not used before get their
     codes (positions in `ROW_STATISTICS`) made, kept and read back, and the rows written with them are
