@@ -1,6 +1,7 @@
 """msprobe's CSV layout: written and read back by one module; rows always as long as their header."""
 import csv
 import logging
+import math
 import os
 
 import pytest
@@ -132,3 +133,44 @@ def test_records_whose_ops_are_the_header_never_take_the_long_way(monkeypatch):
         rows = fmt.format_rows(records, fmt.header(ops, micro), 6)
         assert long_way == ["d"] and [row[1] for row in rows] == ["a", "d", "b", "c"]
         assert rows[0] == ["0", "a", "1"] + (["0"] if micro else []) + ["1.0", "2.0", "(3,)", "Float32"]
+
+
+def _stress_values(ndigits):
+    """Values around everything rounded_texts' fast range depends on: decimal ties at ndigits places,
+    both ends of the range (1e-4 and 10 ** (15 - ndigits)) and just outside them, zeros of both signs,
+    rounding to zero and to the ends, non-finite and subnormal values, random values over 30 decades."""
+    import numpy as np
+
+    rng = np.random.default_rng(ndigits)
+    step = 10.0 ** -ndigits
+    high = 10.0 ** (15 - ndigits)
+    ties = ((rng.integers(0, 10 ** 6, size=400) + 0.5) * step).tolist()
+    edges = [1e-4, 1.0001e-4, 0.99999e-4, 9.99e-5, 5e-5, high, high * (1 - 1e-12), high * (1 + 1e-12), high / 10,
+             high * 9.999, 0.5 * step, 0.49999 * step, 1.5 * step, step, 1e-4 - 0.5 * step, 1e-4 + 0.5 * step,
+             0.0, -0.0, 1.0, 2.0, 999.9999999999995, 5e-324, 2.2e-308, 1.7e308, float("nan"), float("inf")]
+    random = (rng.normal(size=4000) * 10.0 ** rng.uniform(-15, 15, size=4000)).tolist()
+    uniform = rng.uniform(-high, high, size=2000).tolist()
+    values = ties + edges + random + uniform
+    return values + [-value for value in values]
+
+
+@pytest.mark.parametrize("ndigits", [0, 1, 3, 4, 5, 6, 8, 12, 14, 15, 16, 20])
+def test_rounded_texts_are_python_repr_of_round(ndigits):
+    """rounded_texts takes a shorter way than repr(round()) for most values; its text must be Python's own,
+    checked value by value against repr(round(value, ndigits)) over values placed to break that way."""
+    values = _stress_values(ndigits)
+    assert fmt.rounded_texts(values, ndigits) == [repr(round(value, ndigits)) for value in values]
+
+
+def test_rounded_texts_take_the_short_way_for_ordinary_statistics(monkeypatch):
+    """The point of rounded_texts: ordinary statistics (1e-4 .. 1e3 at 12 digits) are not rounded with
+    round() (2 us a value); values outside the range, NaN and inf are."""
+    import builtins
+
+    rounded = []
+    real_round = builtins.round
+    monkeypatch.setattr(builtins, "round", lambda value, ndigits=None: (rounded.append(value),
+                                                                        real_round(value, ndigits))[1])
+    texts = fmt.rounded_texts([0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, 1e3, float("nan")], 12)
+    assert texts == ["0.5", "-123.25", "0.0001", "0.0", "999.5", "1e-05", "1000.0", "nan"]
+    assert rounded[:2] == [1e-5, 1e3] and math.isnan(rounded[2]) and len(rounded) == 3
