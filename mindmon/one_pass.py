@@ -97,6 +97,13 @@ def _compiled():
     return _compiled_module
 
 
+def _in_sums_precision(zero, value):
+    """`value` in the block sums' precision (`zero`'s type), before it is squared. Compiled, a float32 value
+    summed in float32 is taken as it is (`one_pass_jit` says so to numba): adding a 0 known only at run
+    time cost a sixth of the loop's time."""
+    return zero + value
+
+
 def _one_pass(values, signed, unsigned, eps, zero):
     """The loop numba compiles (plain Python here, so it also runs as written with NUMBA_DISABLE_JIT=1)."""
     total = squares = 0.0
@@ -106,7 +113,7 @@ def _one_pass(values, signed, unsigned, eps, zero):
         block_total, block_squares, block_small = zero, zero, np.float32(0)   # 4096 counts exactly
         for i in range(start, min(start + _BLOCK, values.size)):
             value = values[i]
-            widened = zero + value   # in the sums' precision before it is squared
+            widened = _in_sums_precision(zero, value)
             block_total += widened
             block_squares += widened * widened
             block_small += np.float32(abs(value) < eps)

@@ -12,12 +12,13 @@ import ctypes
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from .one_pass import _BLOCK, _add_block, _copy_block, _copy_or_add, _one_pass, _statistics_row
+from .one_pass import (_BLOCK, _add_block, _copy_block, _copy_or_add, _in_sums_precision, _one_pass,
+                       _statistics_row)
 
-# Reassociation lets the sums use vector lanes, nsz drops the widening of float32 values into float32
-# sums; no nnan/ninf: NaN and inf keep their meaning. Only the loop gets these: the statistics made
+# Reassociation lets the sums use vector lanes, nsz ignores the sign of a zero sum (no zero is kept from
+# them); no nnan/ninf: NaN and inf keep their meaning. Only the loop gets these: the statistics made
 # from its sums must be the numbers numpy_stats gives.
 FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -38,6 +39,15 @@ def _pointer_to(item):
             return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
         return types.CPointer(item)(types.intp), codegen
     return pointer
+
+
+@overload(_in_sums_precision, inline="always")
+def _in_sums_precision_compiled(zero, value):
+    """The value itself where it already has the sums' type: no add of a run-time 0 in the loop. (The loop's
+    disk cache follows one_pass.py's changes, not this file's: a change here needs the cache cleared.)"""
+    if zero == value:
+        return lambda zero, value: value
+    return lambda zero, value: zero + value
 
 
 array_loop = _jit(_one_pass, fastmath=True)

@@ -391,3 +391,17 @@ def test_add_at_copies_then_adds_what_lies_at_the_address():
             add_at(total, gradient.ctypes.data, k == 0)
             expected = gradient[:size].copy() if k == 0 else expected + gradient[:size]
             assert np.array_equal(total, expected), (size, k)
+
+
+def test_float32_sums_take_float32_values_as_they_are():
+    """The compiled loop adds no run-time 0 to a float32 value summed in float32 (a sixth of its time); a
+    float32 value summed in float64 is widened. -0.0 tells which: 0 + -0.0 is 0.0."""
+    from numba import types
+
+    from mindmon.one_pass_jit import _in_sums_precision_compiled
+
+    as_it_is = _in_sums_precision_compiled(types.float32, types.float32)
+    widened = _in_sums_precision_compiled(types.float64, types.float32)
+    assert repr(float(as_it_is(np.float32(0), np.float32(-0.0)))) == "-0.0"
+    result = widened(0.0, np.float32(-0.0))
+    assert repr(result) == "0.0" and isinstance(result, float)
