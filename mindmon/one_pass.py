@@ -49,14 +49,16 @@ def reductions(flat: np.ndarray, eps: float, wide: bool) -> Reductions:
 ROW_STATISTICS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
 
-def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, rows: np.ndarray
-                  ) -> np.ndarray:
-    """The statistics of many float32 tensors in one call, from their memory: `table` is int64 [tensors, 3],
-    each (row, address, size > 0), memory the caller keeps alive and unchanged during the call (CPU
-    tensors' data pointers); arrays of at most `small_size` elements are summed wide. Row `row` of `rows`
-    gets the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf: the table
-    positions of those are returned, for the caller to take with NaN rules."""
-    return _compiled().float32_at(table, _scalars(_FLOAT32, eps, True)[0], small_size, codes, rows)
+def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n_rows: int
+                  ) -> Tuple[np.ndarray, np.ndarray]:
+    """The statistics of many float32 tensors in one call, from their memory: `table` is int64 [3 * tensors],
+    (row, address, size > 0) after one another, memory the caller keeps alive and unchanged during the call (CPU
+    tensors' data pointers); arrays of at most `small_size` elements are summed wide. Returns `rows`,
+    float64 [n_rows, codes]: row `row` holds the statistics `codes` name (`ROW_STATISTICS`), unless the
+    tensor holds NaN or inf; and the table positions of those, for the caller to take with NaN rules.
+    Rows no tensor is given for are NaN. (Allocated in the compiled call: in a hook's context, each numpy
+    call from Python costs microseconds.)"""
+    return _compiled().float32_at(table, _scalars(_FLOAT32, eps, True)[0], small_size, codes, n_rows)
 
 
 def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:
@@ -79,7 +81,7 @@ def prepare() -> None:
     one = np.zeros(1, np.float32)
     for wide in (False, True):
         reductions(one, 1e-8, wide)
-    reductions_at(np.array([[0, one.ctypes.data, 1]], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), np.empty((1, 1)))
+    reductions_at(np.array([0, one.ctypes.data, 1], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), 1)
     add_and_squares(one.copy(), one, True)
     add_at(one.copy(), one.ctypes.data, True)
 

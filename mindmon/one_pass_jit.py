@@ -75,11 +75,12 @@ statistics_row = _jit(_statistics_row)
 _FLOAT32, _INT32, _UINT32 = (_pointer_to(item) for item in (types.float32, types.int32, types.uint32))
 
 
-def _float32_at(table, eps, small_size, codes, rows):
-    redo = np.empty(table.shape[0], np.int64)
+def _float32_at(table, eps, small_size, codes, n_rows):
+    rows = np.full((n_rows, codes.size), np.nan)
+    redo = np.empty(table.size // 3, np.int64)
     count = 0
-    for k in range(table.shape[0]):
-        row, address, size = table[k, 0], table[k, 1], table[k, 2]
+    for k in range(table.size // 3):
+        row, address, size = table[3 * k], table[3 * k + 1], table[3 * k + 2]
         values = numba.carray(_FLOAT32(address), size)
         signed, unsigned = numba.carray(_INT32(address), size), numba.carray(_UINT32(address), size)
         if size <= small_size:   # summed in float64
@@ -89,19 +90,20 @@ def _float32_at(table, eps, small_size, codes, rows):
         if not statistics_row(found, size, codes, rows[row]):
             redo[count] = k
             count += 1
-    return redo[:count]
+    return rows, redo[:count]
 
 
-def _python_float32_at(table, eps, small_size, codes, rows):
+def _python_float32_at(table, eps, small_size, codes, n_rows):
     """`_float32_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
+    rows = np.full((n_rows, codes.size), np.nan)
     redo = []
-    for k, (row, address, size) in enumerate(table.tolist()):
+    for k, (row, address, size) in enumerate(table.reshape(-1, 3).tolist()):
         values = np.frombuffer((ctypes.c_char * (size * 4)).from_address(address), np.float32)
         zero = np.float64(0) if size <= small_size else np.float32(0)
         if not _statistics_row(_one_pass(values, values.view(np.int32), values.view(np.uint32), eps, zero),
                                size, codes, rows[row]):
             redo.append(k)
-    return np.array(redo, np.int64)
+    return rows, np.array(redo, np.int64)
 
 
 float32_at = _python_float32_at if numba.config.DISABLE_JIT else _jit(_float32_at)

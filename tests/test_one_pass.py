@@ -211,9 +211,9 @@ ROW = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
 def by_address(arrays, eps: float = 1e-8, small_size: int = 4096, ops=ROW):
     """`reductions_at` over the arrays' memory: (rows in `ops` order, positions it left to the caller)."""
-    rows = np.full((len(arrays), len(ops)), -7.0)
-    table = np.array([(k, a.ctypes.data, a.size) for k, a in enumerate(arrays)], dtype=np.int64)
-    redo = reductions_at(table, eps, small_size, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), rows)
+    table = np.array([(k, a.ctypes.data, a.size) for k, a in enumerate(arrays)], dtype=np.int64).reshape(-1)
+    rows, redo = reductions_at(table, eps, small_size, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]),
+                               len(arrays))
     return rows, redo.tolist()
 
 
@@ -254,23 +254,22 @@ def test_the_address_form_gives_numpy_stats_numbers():
     """`reductions_at` over arrays' memory writes exactly the numbers `numpy_stats` gives (the same loop and
     arithmetic, which the tests above hold against float64 numpy), each array summed wide up to
     `small_size` elements and narrow above, each into the row it is told; from an offset address it reads
-    only what it is told; arrays holding NaN or inf are left to the caller, their rows untouched."""
+    only what it is told; arrays holding NaN or inf are left to the caller, their rows NaN."""
     rng = np.random.default_rng(11)
     arrays = [rng.standard_normal(size + 7).astype(np.float32)[3:3 + size]
               for size in (1, 4095, 4096, 4097, 100_003, 50, 60)]
     arrays[0][0] = -0.0
     arrays[5][20], arrays[6][0] = np.nan, -np.inf
     ops = ("nans", "zeros", "norm", "mean", "max", "min", "id")
-    rows = np.full((9, len(ops)), -7.0)
     order = np.array([8, 0, 3, 1, 6, 2, 4])   # rows given out of order, two left alone
-    table = np.array([(row, a.ctypes.data, a.size) for row, a in zip(order, arrays)], dtype=np.int64)
-    redo = reductions_at(table, 0.5, 4096, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), rows)
+    table = np.array([(row, a.ctypes.data, a.size) for row, a in zip(order, arrays)], dtype=np.int64).reshape(-1)
+    rows, redo = reductions_at(table, 0.5, 4096, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), 9)
     assert redo.tolist() == [5, 6]
     for k, data in enumerate(arrays[:5]):
         got = rows[order[k]].tolist()
         assert got[:6] == numpy_stats(data, ops[:6], 0.5) and math.isnan(got[6])
     assert math.copysign(1.0, rows[8][5]) == 1.0 and rows[8][5] == 0.0   # -0.0 reported as 0.0
-    assert (rows[[2, 4, 5, 7]] == -7.0).all()   # NaN / inf rows and rows not given: untouched
+    assert rows.shape == (9, 7) and np.isnan(rows[[2, 4, 5, 7]]).all()   # NaN / inf rows, rows not given
 
 
 def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before():
@@ -321,7 +320,7 @@ def test_the_address_form_hands_back_float32_squares_that_overflow():
     data[3] = 1e20
     with np.errstate(over="ignore"):   # run as plain Python (NUMBA_DISABLE_JIT=1) numpy warns of it
         rows, redo = by_address([data], small_size=4, ops=("norm", "mean"))
-    assert redo == [0] and (rows[0] == -7.0).all()
+    assert redo == [0] and np.isnan(rows[0]).all()
     rows, redo = by_address([data], small_size=10, ops=("norm", "mean"))   # summed in float64: no overflow
     wide = data.astype(np.float64)
     assert redo == [] and rows[0].tolist() == [math.sqrt(float(np.dot(wide, wide))), float(wide.sum()) / 10]

@@ -92,21 +92,26 @@ def host_statistics(tensors: Sequence, layouts: Sequence[Tuple[tuple, str]], ops
     least one dimension are read where they lie: their data pointers go to the compiled code in one call,
     which writes their rows; no array is made (per tensor, that cost more than the loop over a small one).
     The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
-    rows = np.empty((len(tensors), len(ops)))
-    located = []   # (row, address, size) of the tensors read where they lie
+    located = []   # row, address, size of each tensor read where it lies, flat (one numpy call makes the table)
+    elsewhere = []   # rows numpy_stats takes
     for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
         shape, dtype = layouts[index]
         if direct and shape and dtype == "Float32" and addressable(tensor):
             address, size = tensor._data_ptr(), math.prod(shape)
             if address and size:
-                located.append((index, address, size))
+                located += (index, address, size)
                 continue
-        rows[index] = numpy_stats(_host_array(tensor, direct, dtype), ops, eps, not shape)
+        elsewhere.append(index)
     if located:
-        table = np.array(located, dtype=np.int64)
-        for k in reductions_at(table, eps, _SMALL, _codes(ops), rows).tolist():   # NaN or inf: numpy's rules
-            index = located[k][0]
+        rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, _SMALL, _codes(ops), len(tensors))
+        for k in redo.tolist():   # NaN or inf: numpy's rules
+            index = located[3 * k]
             rows[index] = numpy_stats(_direct_view(tensors[index], layouts[index][1]), ops, eps)
+    else:
+        rows = np.empty((len(tensors), len(ops)))
+    for index in elsewhere:
+        rows[index] = numpy_stats(_host_array(tensors[index], direct, layouts[index][1]), ops, eps,
+                                  not layouts[index][0])
     return rows
 
 
