@@ -106,8 +106,11 @@ def test_each_parameter_has_its_own_memory_reused_from_step_to_step(rng):
         for name, (first, second) in grads.items():
             assert found[name].array.shape == shape and np.array_equal(found[name].array, first + second)
         arrays = [found["a"].array, found["b"].array]
+        assert not np.shares_memory(*arrays)
         if step == 1:
-            assert arrays[0] is kept[0] and arrays[1] is kept[1]
+            assert np.shares_memory(arrays[0], kept[0]) and np.shares_memory(arrays[1], kept[1])
+        if step == 2:
+            assert not np.shares_memory(arrays[0], kept[0])
         kept = arrays
         sums.clear()
     sums.release()

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..monitors.tensor_stats import HostTensor, describe
 from ..one_pass import add_at
-from ..stats import StepDirectViews, _host_array, direct_location
+from ..stats import StepDirectViews, _host_array, addressable
 
 logger = logging.getLogger("mindmon")
 
@@ -48,27 +48,32 @@ class GradientSums:
 
     def _add_on_host(self, index: int, name: str, grad) -> None:
         shape, dtype = describe(grad)
-        known = self._sums.get(index)
-        if known is None:
-            array = self._buffer(index, shape, np.float32 if dtype == "Float32" else np.float64)
-            self._sums[index] = (name, HostTensor(array, dtype))
+        size = math.prod(shape)
+        first = index not in self._sums
+        if first:
+            flat = self._buffer(index, size, np.float32 if dtype == "Float32" else np.float64)
+            self._sums[index] = (name, HostTensor(flat.reshape(shape), dtype))
         else:
-            array = known[1].array
-        first = known is None
-        location = (direct_location(grad, dtype, math.prod(shape))
-                    if dtype == "Float32" and array.dtype == np.float32 and self.direct_views.allowed() else None)
+            flat = self._buffers[index]
+        direct = self.direct_views.allowed()
         # Copied, not referenced, at the first micro-batch: the hook's buffer may be reused.
-        if location is not None and 0 < location.size == array.size:   # read where it lies, no array built
-            add_at(array.reshape(-1), location.address, first)
-            return
-        flat = _host_array(grad, self.direct_views.allowed(), dtype).reshape(array.shape)
-        np.copyto(array, flat) if first else np.add(array, flat, out=array)
+        if (direct and dtype == "Float32" and flat.dtype == np.float32 and 0 < size == flat.size
+                and addressable(grad)):
+            address = grad._data_ptr()
+            if address:   # read where it lies, no array built
+                add_at(flat, address, first)
+                return
+        if size != flat.size:
+            raise ValueError(f"a gradient of {size} elements, {shape}, for a sum of {flat.size}")
+        micro = _host_array(grad, direct, dtype)
+        np.copyto(flat, micro) if first else np.add(flat, micro, out=flat)
 
-    def _buffer(self, index: int, shape: tuple, dtype) -> np.ndarray:
-        array = self._buffers.get(index)
-        if array is None or array.shape != shape or array.dtype != dtype:
-            array = self._buffers[index] = np.empty(shape, dtype)
-        return array
+    def _buffer(self, index: int, size: int, dtype) -> np.ndarray:
+        """The flat memory of one parameter's sum, kept while its size and dtype stay."""
+        flat = self._buffers.get(index)
+        if flat is None or flat.size != size or flat.dtype != dtype:
+            flat = self._buffers[index] = np.empty(size, dtype)
+        return flat
 
     def named_sums(self) -> List[Tuple[str, object]]:
         return [self._sums[index] for index in sorted(self._sums)]
