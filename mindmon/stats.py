@@ -86,50 +86,32 @@ _DTYPES: Dict[str, np.dtype] = {name: np.dtype(code) for name, code in (
     ("Int16", "<i2"), ("Int8", "|i1"), ("UInt8", "|u1"), ("Bool", "|b1"))}
 
 
-class DirectLocation(NamedTuple):
-    """Where a CPU tensor's elements are: `size` elements of `dtype` at `address`."""
-
-    address: int
-    size: int
-    dtype: np.dtype
-
-
 def addressable(tensor) -> bool:
-    """Whether a CPU tensor's elements lie in order at its data pointer: contiguous, initialised (a lazily
-    initialised Parameter has no memory yet), and MindSpore gives the pointer. Only where
-    `direct_views_allowed()`."""
+    """Whether a CPU tensor's elements lie in order at its data pointer (which includes the storage
+    offset): contiguous, initialised (a lazily initialised Parameter has no memory yet), and MindSpore
+    gives the pointer. Only where `direct_views_allowed()`."""
     return hasattr(tensor, "_data_ptr") and not getattr(tensor, "has_init", False) and tensor.is_contiguous()
 
 
-def direct_location(tensor, name: str, size: Optional[int] = None) -> Optional[DirectLocation]:
-    """Where a CPU tensor's memory is, from its data pointer (which includes the storage offset), or None
-    where `asnumpy()` is needed (non-contiguous views, lazily initialised Parameters, other dtypes).
-    `name`: the tensor's dtype as `dtype_name` gives it; `size`: its element count, when the caller knows
-    it (each MindSpore attribute read costs microseconds). Only where `direct_views_allowed()`."""
+def _direct_view(tensor, name: str):
+    """A flat numpy view of a CPU tensor's memory at its data pointer, or None where `asnumpy()` is needed
+    (non-contiguous views, lazily initialised Parameters, other dtypes). `name`: the tensor's dtype as
+    `dtype_name` gives it. Why: `asnumpy()` builds its array through a PEP 3118 buffer whose format
+    string numpy parses in Python, 40-100 us per call, which for activations (thousands of tensors per
+    step) was a large share of the monitor's time; this view costs a few microseconds (a ctypes buffer at
+    the address: half the time of numpy's array interface)."""
     dtype = _DTYPES.get(name)
     if dtype is None or not addressable(tensor):
         return None
-    size = int(tensor.size) if size is None else size
-    pointer = tensor._data_ptr() if size else 0
-    if size and not pointer:   # MindSpore 2.7: 0 for a tensor built from numpy whose device address is not set yet
+    size = int(tensor.size)
+    if not size:
+        return np.empty(0, dtype=dtype)
+    pointer = tensor._data_ptr()
+    if not pointer:   # MindSpore 2.7: 0 for a tensor built from numpy whose device address is not set yet
         return None
-    return DirectLocation(pointer, size, dtype)
-
-
-def _direct_view(tensor, name: str):
-    """A flat numpy view of a CPU tensor's memory (`direct_location`), or None where `asnumpy()` is needed.
-    Why: `asnumpy()` builds its array through a PEP 3118 buffer whose format string numpy parses in
-    Python, 40-100 us per call, which for activations (thousands of tensors per step) was a large share of
-    the monitor's time; this view costs a few microseconds (a ctypes buffer at the address: half the time
-    of numpy's array interface)."""
-    location = direct_location(tensor, name)
-    if location is None:
-        return None
-    if not location.size:
-        return np.empty(0, dtype=location.dtype)
-    memory = (ctypes.c_char * (location.size * location.dtype.itemsize)).from_address(location.address)
+    memory = (ctypes.c_char * (size * dtype.itemsize)).from_address(pointer)
     memory.owner = tensor   # the view holds `memory`, which holds the tensor: its memory is not freed under it
-    return np.frombuffer(memory, location.dtype)
+    return np.frombuffer(memory, dtype)
 
 
 def _squared_norm(flat: np.ndarray) -> float:
