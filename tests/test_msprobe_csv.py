@@ -162,15 +162,17 @@ def test_rounded_texts_are_python_repr_of_round(ndigits):
     assert fmt.rounded_texts(values, ndigits) == [repr(round(value, ndigits)) for value in values]
 
 
-def test_rounded_texts_take_the_short_way_for_ordinary_statistics(monkeypatch):
-    """The point of rounded_texts: ordinary statistics (1e-4 .. 1e3 at 12 digits) are not rounded with
-    round() (2 us a value); values outside the range, NaN and inf are."""
+@pytest.mark.parametrize("ndigits", [1, 12])
+def test_rounded_texts_take_the_short_way_for_ordinary_statistics(monkeypatch, ndigits):
+    """The point of rounded_texts: ordinary statistics (1e-4 up to 10 ** (15 - ndigits)) are not rounded
+    with round() (2 us a value); values outside the range, NaN and inf are."""
     import builtins
 
     rounded = []
     real_round = builtins.round
     monkeypatch.setattr(builtins, "round", lambda value, ndigits=None: (rounded.append(value),
                                                                         real_round(value, ndigits))[1])
-    texts = fmt.rounded_texts([0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, 1e3, float("nan")], 12)
-    assert texts == ["0.5", "-123.25", "0.0001", "0.0", "999.5", "1e-05", "1000.0", "nan"]
-    assert rounded[:2] == [1e-5, 1e3] and math.isnan(rounded[2]) and len(rounded) == 3
+    high = 10.0 ** (15 - ndigits)
+    texts = fmt.rounded_texts([0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, high, float("nan")], ndigits)
+    assert texts == [repr(real_round(v, ndigits)) for v in (0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, high, math.nan)]
+    assert rounded[:2] == [1e-5, high] and math.isnan(rounded[2]) and len(rounded) == 3

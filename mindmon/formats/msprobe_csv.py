@@ -94,7 +94,7 @@ def rounded_texts(values: Sequence[float], ndigits: int) -> List[str]:
     of at least 1e-4 cannot round below it: 1e-4 is itself a multiple of 10 ** -ndigits, or it rounds to 0)."""
     if ndigits < 1:
         return [repr(round(float(value), ndigits)) for value in values]
-    pattern, high = _FIXED[ndigits] if ndigits in _FIXED else _fixed(ndigits)
+    pattern, high = f"%.{ndigits}f", 10.0 ** (15 - ndigits)
     texts = []
     for value in values:
         if _REPR_POSITIONAL <= abs(value) < high or value == 0:
@@ -107,12 +107,6 @@ def rounded_texts(values: Sequence[float], ndigits: int) -> List[str]:
 
 # repr prints floats below this in exponent form ('1e-05')
 _REPR_POSITIONAL = 1e-4
-_FIXED = {}   # ndigits -> ('%.<ndigits>f', upper bound of rounded_texts' fast range)
-
-
-def _fixed(ndigits: int) -> Tuple[str, float]:
-    _FIXED[ndigits] = (f"%.{ndigits}f", 10.0 ** (15 - ndigits))
-    return _FIXED[ndigits]
 
 
 def format_row(record: TensorStatsRecord, columns: Sequence[str], ndigits: int, significant: bool = False
