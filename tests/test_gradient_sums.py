@@ -85,7 +85,7 @@ def test_a_gradient_of_another_size_is_refused_and_nothing_is_read_past_it(rng, 
     sums = _sums(direct)
     first = _micro_batches(rng, (100,), np.float32, count=1)[0]
     sums.add(0, "w", Tensor(first))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"a gradient of 10 elements, \(10,\), for a sum of 100"):
         sums.add(0, "w", Tensor(np.ones(10, np.float32)))
     assert np.array_equal(sums.named_sums()[0][1].array, first)   # the sum so far is untouched
     sums.add(0, "w", Tensor(np.ones((10, 10), np.float32)))        # the same size in another shape adds
