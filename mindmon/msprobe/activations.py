@@ -92,9 +92,18 @@ def warn_forward_and_backward_only(path: str, flags: Dict[str, bool]) -> None:
 
 
 def is_tensor(value) -> bool:
-    from mindspore import Tensor
+    return isinstance(value, _tensor_type())
 
-    return isinstance(value, Tensor)
+
+_TENSOR_TYPE = []   # mindspore.Tensor, once imported: asked for every value a hook gets
+
+
+def _tensor_type():
+    if not _TENSOR_TYPE:
+        from mindspore import Tensor
+
+        _TENSOR_TYPE.append(Tensor)
+    return _TENSOR_TYPE[0]
 
 
 def describe_value(value) -> str:
