@@ -115,6 +115,10 @@ def dtype_name(dtype) -> str:
     return name
 
 
+def is_float32(dtype) -> bool:
+    return dtype_name(dtype) == "Float32"
+
+
 _DTYPE_NAMES: dict = {}
 _NAMES_BY_IDENTITY: dict = {}
 _IDENTITIES_KEPT = 64

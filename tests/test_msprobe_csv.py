@@ -1,5 +1,6 @@
 """msprobe's CSV layout: written and read back by one module; rows always as long as their header."""
 import csv
+import io
 import logging
 import math
 import os
@@ -88,36 +89,44 @@ def test_read_csv_rejects_other_files(tmp_path):
         fmt.read_csv(str(tmp_path / "metrics.csv"))
 
 
+def _written_by_csv_module(rows):
+    """What the csv module writes for rows of fields: the reference format_text must equal."""
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(rows)
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize("significant", [False, True])
-def test_rows_of_a_file_take_the_short_way_to_format_rows_text(significant):
-    """format_rows (what the sink writes) gives, record by record, format_row's text: for records whose ops
-    are the header's (the short way) and for those that are not (ops changed, a micro-step in a per-step
-    file), over values that stress the rounding: NaN, inf, -0.0, tiny, huge, ints, numpy scalars."""
+def test_format_text_is_the_csv_module_writing_format_row(significant):
+    """format_text (what the sink writes) is, byte for byte, the csv module writing format_row's fields of each
+    record: for records whose ops are the header's (the short way) and for those that are not (ops changed,
+    a micro-step in a per-step file), over values that stress the rounding (NaN, inf, -0.0, tiny, huge,
+    ints, numpy scalars) and names the csv module must quote (comma, quote, line break)."""
     import numpy as np
 
     rng = np.random.default_rng(5)
     specials = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-13, -4.9999999e-7, 123456789.123456789,
                 2.5e17, 7, np.float32(0.1), np.float64(-3.75)]
     values = specials + (rng.normal(size=300) * 10.0 ** rng.integers(-9, 9, size=300)).tolist()
+    names = ["cell.output", 'a "quoted", name', "line\nbreak", "carriage\rreturn", " spaced ", ""]
     ops = ("min", "max", "mean")
-    records = [TensorStatsRecord(4, micro, 0, "actv", f"cell{i}.output", values[i:i + 3], ops=ops, shape=shape,
-                                 dtype="Float32")
-               for i in range(0, len(values) - 2, 3) for micro, shape in ((i % 4, (2, 3)), (None, [5]))]
+    records = [TensorStatsRecord(4, micro, 0, "actv", names[i % len(names)] + str(i), values[i:i + 3], ops=ops,
+                                 shape=shape, dtype="Float32")
+               for i in range(0, len(values) - 2, 3) for micro, shape in ((i % 4, (2, 3)), (None, [5]), (1, ()))]
     records.append(TensorStatsRecord(4, 1, 0, "actv", "other", [2.5, 123456789.123456789], ops=("norm", "min"),
                                      shape=(1,), dtype="Float16"))   # the long way, in either mode
     for micro in (False, True):
         columns = fmt.header(ops, micro)
-        for ndigits in (0, 6, 12):
-            expected = [fmt.format_row(r, columns, ndigits, significant) for r in records]
-            assert fmt.format_rows(records, columns, ndigits, significant) == expected
+        for ndigits in (0, 1, 6, 12):
+            expected = _written_by_csv_module([fmt.format_row(r, columns, ndigits, significant) for r in records])
+            assert fmt.format_text(records, columns, ndigits, significant) == expected
     plain = TensorStatsRecord(4, 0, 0, "actv", "x", [123456789.123456789, 1e-13, 0.1], ops=ops, shape=(1,),
                               dtype="Float32")   # rounded to ndigits by default, as format_row
-    assert fmt.format_rows([plain], fmt.header(ops, True), 12)[0][3:7] == [
-        "0", "123456789.12345679", "0.0", "0.1"] == fmt.format_row(plain, fmt.header(ops, True), 12)[3:7]
+    assert fmt.format_text([plain], fmt.header(ops, True), 12) == "0,x,3,0,123456789.12345679,0.0,0.1,\"(1,)\",Float32\r\n"
 
 
 def test_records_whose_ops_are_the_header_never_take_the_long_way(monkeypatch):
-    """The short way is the point of format_rows (thousands of activation rows per step): every record whose
+    """The short way is the point of format_text (thousands of activation rows per step): every record whose
     ops are its file's header takes it, with or without a micro-step, in either kind of file; only a
     record whose ops differ goes field by field."""
     ops = ("min", "max")
@@ -130,7 +139,7 @@ def test_records_whose_ops_are_the_header_never_take_the_long_way(monkeypatch):
                                                                     format_row(record, *args))[1])
     for micro in (True, False):
         long_way.clear()
-        rows = fmt.format_rows(records, fmt.header(ops, micro), 6)
+        rows = list(csv.reader(io.StringIO(fmt.format_text(records, fmt.header(ops, micro), 6))))
         assert long_way == ["d"] and [row[1] for row in rows] == ["a", "d", "b", "c"]
         assert rows[0] == ["0", "a", "1"] + (["0"] if micro else []) + ["1.0", "2.0", "(3,)", "Float32"]
 
@@ -176,3 +185,20 @@ def test_rounded_texts_take_the_short_way_for_ordinary_statistics(monkeypatch, n
     texts = fmt.rounded_texts([0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, high, float("nan")], ndigits)
     assert texts == [repr(real_round(v, ndigits)) for v in (0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, high, math.nan)]
     assert rounded[:2] == [1e-5, high] and math.isnan(rounded[2]) and len(rounded) == 3
+
+
+@pytest.mark.parametrize("ndigits", [1, 3, 6, 12, 14])
+def test_rows_of_numbers_are_python_repr_of_round(ndigits):
+    """The short way for whole rows (one '%' format per row, trailing zeros stripped over all rows at once)
+    gives, value by value, repr(round(value, ndigits)): rows of stress values (some wholly in the short
+    way's range, some with one value outside it, which takes rounded_texts)."""
+    import numpy as np
+
+    values = _stress_values(ndigits)
+    values = values[:len(values) // 6 * 6]
+    rows = np.array(values).reshape(-1, 6).tolist()
+    in_range = [row for row in rows if all(1e-4 <= abs(v) < 10.0 ** (15 - ndigits) or v == 0 for v in row)]
+    assert len(in_range) > 100   # the short way is tested, not only the long one
+    for chosen in (rows, in_range):
+        assert fmt._number_texts(chosen, ndigits, False) == [
+            ",".join(repr(round(value, ndigits)) for value in row) for row in chosen]

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from ..compat import dtype_name
+from ..compat import dtype_name, is_float32
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
 from ..one_pass import ROW_STATISTICS, prepare, reductions, reductions_at
@@ -85,18 +85,21 @@ def _root(squared: float, flat: np.ndarray) -> float:
     return math.sqrt(squared) if not math.isnan(squared) else float("nan")
 
 
-def host_statistics(tensors: Sequence, layouts: Sequence[Tuple[tuple, str]], ops: Sequence[str], eps: float,
-                    direct: bool) -> np.ndarray:
-    """The statistics of tensors on the host, float64 [tensors, ops] (`layouts`: each one's shape and dtype
-    name, as `describe` gives them). With `direct` (see `direct_views_allowed`), float32 tensors of at
+def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool
+                    ) -> Tuple[np.ndarray, List[tuple]]:
+    """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
+    gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
+    costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors of at
     least one dimension are read where they lie: their data pointers go to the compiled code in one call,
     which writes their rows; no array is made (per tensor, that cost more than the loop over a small one).
     The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
     located = []   # row, address, size of each tensor read where it lies, flat (one numpy call makes the table)
     elsewhere = []   # rows numpy_stats takes
+    layouts = []
     for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
-        shape, dtype = layouts[index]
-        if direct and shape and dtype == "Float32" and addressable(tensor):
+        shape, dtype = tensor.shape, tensor.dtype
+        layouts.append((shape, dtype))
+        if direct and shape and is_float32(dtype) and addressable(tensor):
             address, size = tensor._data_ptr(), math.prod(shape)
             if address and size:
                 located += (index, address, size)
@@ -106,13 +109,13 @@ def host_statistics(tensors: Sequence, layouts: Sequence[Tuple[tuple, str]], ops
         rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, _SMALL, _codes(ops), len(tensors))
         for k in redo.tolist():   # NaN or inf: numpy's rules
             index = located[3 * k]
-            rows[index] = numpy_stats(_direct_view(tensors[index], layouts[index][1]), ops, eps)
+            rows[index] = numpy_stats(_direct_view(tensors[index], "Float32"), ops, eps)
     else:
         rows = np.empty((len(tensors), len(ops)))
     for index in elsewhere:
-        rows[index] = numpy_stats(_host_array(tensors[index], direct, layouts[index][1]), ops, eps,
-                                  not layouts[index][0])
-    return rows
+        shape, dtype = layouts[index]
+        rows[index] = numpy_stats(_host_array(tensors[index], direct, dtype_name(dtype)), ops, eps, not shape)
+    return rows, layouts
 
 
 _CODES: Dict[Tuple[str, ...], np.ndarray] = {}
@@ -171,12 +174,18 @@ class HostTensor:
 
 def describe(tensor) -> Tuple[Tuple[int, ...], str]:
     """Shape and dtype as msprobe prints them: `(16, 8)`, `Float32`."""
-    return tuple(map(int, tensor.shape)), dtype_name(tensor.dtype)
+    return layout(tensor.shape, tensor.dtype)
+
+
+def layout(shape, dtype) -> Tuple[Tuple[int, ...], str]:
+    """A tensor's shape and dtype objects as msprobe prints them."""
+    return tuple(map(int, shape)), dtype_name(dtype)
 
 
 class Gathered(NamedTuple):
     """The statistics of the tensors of one `add`: values float64 [tensors, ops] (a device tensor until
-    `results()`), with the ops they were taken with (ops may change while training)."""
+    `results()`), with the ops they were taken with (ops may change while training); layouts: each
+    tensor's (shape, dtype) objects until `results()`, then as `describe` gives them."""
 
     point: str
     micro_step: Optional[int]
@@ -200,26 +209,28 @@ class TensorStats:
         if not named_tensors:
             return
         names = [name for name, _ in named_tensors]
-        layouts = [describe(t) for _, t in named_tensors]
+        tensors = [t for _, t in named_tensors]
         if self.on_host:
-            values = host_statistics([t for _, t in named_tensors], layouts, self.ops, self.eps,
-                                     self.direct_views.allowed())
+            values, layouts = host_statistics(tensors, self.ops, self.eps, self.direct_views.allowed())
         else:
             from mindspore import ops as msops
 
-            values = msops.stack([device_stats(t, self.ops, self.eps) for _, t in named_tensors])
+            values = msops.stack([device_stats(t, self.ops, self.eps) for t in tensors])
+            layouts = [(t.shape, t.dtype) for t in tensors]
         self._pending.append(Gathered(point, micro_step, names, layouts, values, self.ops))
 
     def results(self) -> List[Gathered]:
-        """Everything gathered, statistics as float64 arrays [tensors, ops]; one host transfer at most."""
+        """Everything gathered, statistics as float64 arrays [tensors, ops], layouts as `describe` gives them;
+        one host transfer at most."""
         device = [entry.values.reshape(-1) for entry in self._pending if not isinstance(entry.values, np.ndarray)]
         if device:
             from mindspore import ops as msops
 
             host = iter(np.split(msops.concat(device).asnumpy().astype(np.float64),
                                  np.cumsum([int(v.shape[0]) for v in device])[:-1]))
-        return [entry if isinstance(entry.values, np.ndarray) else
-                entry._replace(values=next(host).reshape(len(entry.names), len(entry.ops)))
+        return [entry._replace(layouts=[layout(*raw) for raw in entry.layouts],
+                               values=entry.values if isinstance(entry.values, np.ndarray) else
+                               next(host).reshape(len(entry.names), len(entry.ops)))
                 for entry in self._pending]
 
     def clear(self) -> None:

@@ -138,11 +138,27 @@ def select(spec: Optional[Spec], value) -> List[Tuple[Optional[int], object]]:
     return [(None, chosen)]
 
 
-def named_tensors(cell: str, key: str, spec: Optional[Spec], value) -> List[Tuple[str, object]]:
-    """The rows one key of one cell gives: tensors only (None gradients and non-tensor arguments have none)."""
-    base = f"{cell}.{_ROW_NAME[key]}"
-    return [(base if position is None else f"{base}_{position}", item)
-            for position, item in select(spec, value) if is_tensor(item)]
+class CellValues:
+    """The rows one hook of one cell gives, for the keys of its plan: tensors only (None gradients and
+    non-tensor arguments have none). Each key's place among the hook's arguments and its rows' base name
+    (`<cell>.input`) are found once per cell, not at every call."""
+
+    def __init__(self, cell: str, plan: Dict[str, Optional[Spec]], keys: Tuple[str, str]):
+        self.entries = [(keys.index(key), key, spec, f"{cell}.{_ROW_NAME[key]}") for key, spec in plan.items()]
+
+    def pick(self, arguments: tuple) -> List[Tuple[str, object]]:
+        """(row name, tensor) pairs; SpecMismatch(key, spec, value) for a value its spec does not fit."""
+        tensor_type = _tensor_type()
+        rows = []
+        for place, key, spec, base in self.entries:
+            value = arguments[place]
+            try:
+                chosen = select(spec, value)
+            except SpecMismatch:
+                raise SpecMismatch(key, spec, value) from None
+            rows += [(base if position is None else f"{base}_{position}", item)
+                     for position, item in chosen if isinstance(item, tensor_type)]
+        return rows
 
 
 def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
@@ -229,39 +245,34 @@ class ActivationHooks:
                 self.handles.pop(key).remove()
 
     def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
-        def hook(cell, inputs, output):
-            if self.collecting() and self._counts_as_training(cell):
-                self.guard(self._collect, name, "forward", ACTV, plan, {"input": inputs, "output": output})
-        return hook
+        return self._hook((name, "forward"), ACTV, CellValues(name, plan, FORWARD_KEYS))
 
     def _backward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
-        def hook(cell, grad_input, grad_output):
-            if self.collecting() and self._counts_as_training(cell):
-                self.guard(self._collect, name, "backward", ACTV_GRAD, plan,
-                           {"input_grad": grad_input, "output_grad": grad_output})
+        return self._hook((name, "backward"), ACTV_GRAD, CellValues(name, plan, BACKWARD_KEYS))
+
+    def _hook(self, key: Tuple[str, str], point: str, values: CellValues):
+        def hook(cell, *arguments):   # (inputs, output) forward; (grad_input, grad_output) backward
+            if self.collecting():
+                if not cell.training:
+                    self._eval_calls += 1
+                elif key not in self._mismatched:
+                    self._training_calls += 1
+                    self.guard(self._collect, key, point, values, arguments)
         return hook
 
-    def _counts_as_training(self, cell) -> bool:
-        if cell.training:
-            self._training_calls += 1
-            return True
-        self._eval_calls += 1
-        return False
-
-    def _collect(self, name: str, direction: str, point: str, plan, values) -> None:
-        if (name, direction) in self._mismatched:
+    def _collect(self, key: Tuple[str, str], point: str, values: CellValues, arguments: tuple) -> None:
+        try:
+            rows = values.pick(arguments)
+        except SpecMismatch as mismatch:
+            self._mismatched.append(key)
+            value_key, spec, value = mismatch.args
+            name, direction = key
+            logger.error("mindmon: targets.%s.%s is %r, but the cell %r got %s; its %s activations are not "
+                         "collected (fix the spec; print_struct shows what each cell gets)", name, value_key,
+                         spec.text, name, describe_value(value), direction)
             return
-        rows = []
-        for key, spec in plan.items():
-            try:
-                rows += named_tensors(name, key, spec, values[key])
-            except SpecMismatch:
-                self._mismatched.append((name, direction))
-                logger.error("mindmon: targets.%s.%s is %r, but the cell %r got %s; its %s activations are not "
-                             "collected (fix the spec; print_struct shows what each cell gets)", name, key, spec.text,
-                             name, describe_value(values[key]), direction)
-                return
-        self.record(point, rows, self.micro_steps.current)
+        if rows:
+            self.record(point, rows, self.micro_steps.current)
 
     def end_step(self) -> None:
         """Says once if a collected step saw only cells in eval mode; detaches hooks whose spec did not match

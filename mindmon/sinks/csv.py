@@ -61,7 +61,7 @@ class MsprobeCsvSink(Sink):
             os.makedirs(self.folder, exist_ok=True)
         for path, file_records in by_file.items():
             columns = self._header(path, file_records)
-            fmt.write_rows(path, columns, fmt.format_rows(file_records, columns, self.ndigits,
+            fmt.write_text(path, columns, fmt.format_text(file_records, columns, self.ndigits,
                                                           self.significant_digits))
 
     def _header(self, path: str, records: Sequence[TensorStatsRecord]) -> List[str]:
@@ -75,9 +75,14 @@ class MsprobeCsvSink(Sink):
                 micro = any(r.micro_step is not None for r in records)
                 self._headers[path] = fmt.header(records[0].ops, micro)
         columns = self._headers[path]
-        misfit = [r for r in records if not set(r.ops) <= set(columns)
+        if path in self._warned:
+            return columns
+        in_header = {}   # ops -> all of them in the header (thousands of records share one ops tuple)
+        for ops in {tuple(r.ops) for r in records}:
+            in_header[ops] = set(ops) <= set(columns)
+        misfit = [r for r in records if not in_header[tuple(r.ops)]
                   or (r.micro_step is not None and fmt.MICRO_STEP not in columns)]
-        if misfit and path not in self._warned:
+        if misfit:
             self._warned.add(path)
             logger.warning("mindmon: %s: rows with ops %s do not fit its header %s; fields outside the "
                            "header are left out", path, list(misfit[0].ops), columns)
