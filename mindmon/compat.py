@@ -16,7 +16,7 @@ Every shim mindmon needs lives here, each with the reason it exists (docs/mindnl
   and `dtype_name` work either way.
 """
 import sys
-from typing import Iterator, Tuple
+from typing import Iterator, NamedTuple, Tuple
 
 _has_cpu_kernel = {}
 
@@ -116,7 +116,26 @@ def dtype_name(dtype) -> str:
 
 
 def is_float32(dtype) -> bool:
-    return dtype_name(dtype) == "Float32"
+    """MindSpore's float32 object by identity first: asked for every tensor a hook sees."""
+    return dtype is mindspore_types().float32 or dtype_name(dtype) == "Float32"
+
+
+class MindSporeTypes(NamedTuple):
+    tensor: type
+    float32: object
+
+
+_MINDSPORE_TYPES = []
+
+
+def mindspore_types() -> MindSporeTypes:
+    """`mindspore.Tensor` and `mindspore.float32`, imported once: hooks ask for them at every tensor, and an
+    import statement there costs microseconds."""
+    if not _MINDSPORE_TYPES:
+        import mindspore
+
+        _MINDSPORE_TYPES.append(MindSporeTypes(mindspore.Tensor, mindspore.float32))
+    return _MINDSPORE_TYPES[0]
 
 
 _DTYPE_NAMES: dict = {}

@@ -179,3 +179,18 @@ def test_ops_not_seen_before_get_their_codes(monkeypatch):
         stats.add("actv", [("x", ms.Tensor(data))])
         assert stats.results()[0][4].tolist() == [want]
     assert tensor_stats._CODES[ops].tolist() == [3, 5, 0, 4]
+
+
+def test_tensors_not_initialised_yet_are_read_through_asnumpy():
+    """A tensor or Parameter made with an initializer has no memory until it is used (its data pointer is
+    0): the direct read must not take it; asnumpy initialises it, and the statistics are of those values."""
+    from mindspore.common.initializer import Constant
+
+    lazy_tensor = ms.Tensor(shape=(3, 5), dtype=ms.float32, init=Constant(-2.5))
+    lazy_parameter = ms.Parameter(ms.Tensor(shape=(4,), dtype=ms.float32, init=Constant(0.75)), name="p")
+    assert lazy_tensor._data_ptr() == 0
+    stats = TensorStats(("min", "max", "mean", "norm"), 1e-8, on_host=True)
+    stats.add("actv", [("t", lazy_tensor), ("p", lazy_parameter)])
+    values = stats.results()[0].values
+    assert np.allclose(values[0], [-2.5, -2.5, -2.5, math.sqrt(15 * 2.5 ** 2)])
+    assert np.allclose(values[1], [0.75, 0.75, 0.75, math.sqrt(4 * 0.75 ** 2)])

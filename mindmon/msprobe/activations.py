@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..compat import named_cells
+from ..compat import mindspore_types, named_cells
 from ..config import ConfigError, _describe
 from ..monitors.tensor_stats import ACTV, ACTV_GRAD
 
@@ -92,18 +92,7 @@ def warn_forward_and_backward_only(path: str, flags: Dict[str, bool]) -> None:
 
 
 def is_tensor(value) -> bool:
-    return isinstance(value, _tensor_type())
-
-
-_TENSOR_TYPE = []   # mindspore.Tensor, once imported: asked for every value a hook gets
-
-
-def _tensor_type():
-    if not _TENSOR_TYPE:
-        from mindspore import Tensor
-
-        _TENSOR_TYPE.append(Tensor)
-    return _TENSOR_TYPE[0]
+    return isinstance(value, mindspore_types().tensor)
 
 
 def describe_value(value) -> str:
@@ -148,7 +137,7 @@ class CellValues:
 
     def pick(self, arguments: tuple) -> List[Tuple[str, object]]:
         """(row name, tensor) pairs; SpecMismatch(key, spec, value) for a value its spec does not fit."""
-        tensor_type = _tensor_type()
+        tensor_type = mindspore_types().tensor
         rows = []
         for place, key, spec, base in self.entries:
             value = arguments[place]
