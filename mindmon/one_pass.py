@@ -51,13 +51,13 @@ ROW_STATISTICS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
 def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n_rows: int
                   ) -> Tuple[np.ndarray, np.ndarray]:
-    """The statistics of many float32 tensors in one call, from their memory: `table` is int64 [3 * tensors],
-    (row, address, size > 0) after one another, memory the caller keeps alive and unchanged during the call (CPU
-    tensors' data pointers); arrays of at most `small_size` elements are summed wide. Returns `rows`,
-    float64 [n_rows, codes]: row `row` holds the statistics `codes` name (`ROW_STATISTICS`), unless the
-    tensor holds NaN or inf; and the table positions of those, for the caller to take with NaN rules.
-    Rows no tensor is given for are NaN. (Allocated in the compiled call: in a hook's context, each numpy
-    call from Python costs microseconds.)"""
+    """The statistics of many float32 tensors in one call, from their memory: `table` is int64 [4 * tensors],
+    (row, address, size > 0, scalar) after one another, memory the caller keeps alive and unchanged during the
+    call (CPU tensors' data pointers); `scalar` 1 marks a 0-dim tensor (size 1), whose `id` is its value;
+    arrays of at most `small_size` elements are summed wide. Returns `rows`, float64 [n_rows, codes]: row
+    `row` holds the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf; and the
+    table positions of those, for the caller to take with NaN rules. Rows no tensor is given for are NaN.
+    (Allocated in the compiled call: in a hook's context, each numpy call from Python costs microseconds.)"""
     return _compiled().float32_at(table, _scalars(_FLOAT32, eps, True)[0], small_size, codes, n_rows)
 
 
@@ -81,7 +81,7 @@ def prepare() -> None:
     one = np.zeros(1, np.float32)
     for wide in (False, True):
         reductions(one, 1e-8, wide)
-    reductions_at(np.array([0, one.ctypes.data, 1], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), 1)
+    reductions_at(np.array([0, one.ctypes.data, 1, 0], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), 1)
     add_and_squares(one.copy(), one, True)
     add_at(one.copy(), one.ctypes.data, True)
 
@@ -185,9 +185,10 @@ def _add_block(total, micro):
     return accumulated, own
 
 
-def _statistics_row(found, size, codes, row) -> bool:
+def _statistics_row(found, size, codes, row, scalar=False) -> bool:
     """`_one_pass`'s result as the statistics `codes` name, into `row`; False (nothing written) when a sum is
-    not finite. The arithmetic is `numpy_stats`' (compiled without fastmath: the same numbers)."""
+    not finite. The arithmetic is `numpy_stats`' (compiled without fastmath: the same numbers). `scalar`: the
+    values are a 0-dim tensor's one element, summed in float64, so `id` (its value) is the sum, exactly."""
     total, squares, small, minimum, maximum = found
     if not (np.isfinite(total) and np.isfinite(squares)):
         return False
@@ -205,6 +206,8 @@ def _statistics_row(found, size, codes, row) -> bool:
             row[j] = small / size
         elif code == 5:
             row[j] = 0.0             # a finite sum: no NaN
+        elif scalar:
+            row[j] = total           # `id`: a 0-dim tensor's value
         else:
-            row[j] = np.nan          # `id` is a 0-dim tensor's value; these have a dimension
+            row[j] = np.nan          # `id` of a tensor with a dimension
     return True

@@ -77,17 +77,17 @@ _FLOAT32, _INT32, _UINT32 = (_pointer_to(item) for item in (types.float32, types
 
 def _float32_at(table, eps, small_size, codes, n_rows):
     rows = np.full((n_rows, codes.size), np.nan)
-    redo = np.empty(table.size // 3, np.int64)
+    redo = np.empty(table.size // 4, np.int64)
     count = 0
-    for k in range(table.size // 3):
-        row, address, size = table[3 * k], table[3 * k + 1], table[3 * k + 2]
+    for k in range(table.size // 4):
+        row, address, size, scalar = table[4 * k], table[4 * k + 1], table[4 * k + 2], table[4 * k + 3]
         values = numba.carray(_FLOAT32(address), size)
         signed, unsigned = numba.carray(_INT32(address), size), numba.carray(_UINT32(address), size)
         if size <= small_size:   # summed in float64
             found = array_loop(values, signed, unsigned, eps, 0.0)
         else:                    # in float32 blocks
             found = array_loop(values, signed, unsigned, eps, np.float32(0))
-        if not statistics_row(found, size, codes, rows[row]):
+        if not statistics_row(found, size, codes, rows[row], scalar != 0):
             redo[count] = k
             count += 1
     return rows, redo[:count]
@@ -97,11 +97,11 @@ def _python_float32_at(table, eps, small_size, codes, n_rows):
     """`_float32_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
     rows = np.full((n_rows, codes.size), np.nan)
     redo = []
-    for k, (row, address, size) in enumerate(table.reshape(-1, 3).tolist()):
+    for k, (row, address, size, scalar) in enumerate(table.reshape(-1, 4).tolist()):
         values = np.frombuffer((ctypes.c_char * (size * 4)).from_address(address), np.float32)
         zero = np.float64(0) if size <= small_size else np.float32(0)
         if not _statistics_row(_one_pass(values, values.view(np.int32), values.view(np.uint32), eps, zero),
-                               size, codes, rows[row]):
+                               size, codes, rows[row], scalar != 0):
             redo.append(k)
     return rows, np.array(redo, np.int64)
 

@@ -61,6 +61,10 @@ def test_id_is_the_value_of_a_scalar(on_host):
     scalar, vector = monitor.collect(1)
     assert scalar.value == [2.5, 2.5] and scalar.shape == ()
     assert math.isnan(vector.value[0]) and vector.value[1] == 1.0
+    # non-finite 0-dim values (taken with numpy's NaN rules, not by the one-pass loop)
+    monitor.record("param_origin", [("inf", ms.Tensor(np.float32(-np.inf))), ("nan", ms.Tensor(np.float32(np.nan)))])
+    infinite, missing = monitor.collect(2)
+    assert infinite.value == [-math.inf, -math.inf] and all(math.isnan(v) for v in missing.value)
 
 
 def test_huge_float32_values_do_not_overflow(recwarn):

@@ -211,7 +211,7 @@ ROW = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
 def by_address(arrays, eps: float = 1e-8, small_size: int = 4096, ops=ROW):
     """`reductions_at` over the arrays' memory: (rows in `ops` order, positions it left to the caller)."""
-    table = np.array([(k, a.ctypes.data, a.size) for k, a in enumerate(arrays)], dtype=np.int64).reshape(-1)
+    table = np.array([(k, a.ctypes.data, a.size, 0) for k, a in enumerate(arrays)], dtype=np.int64).reshape(-1)
     rows, redo = reductions_at(table, eps, small_size, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]),
                                len(arrays))
     return rows, redo.tolist()
@@ -262,7 +262,7 @@ def test_the_address_form_gives_numpy_stats_numbers():
     arrays[5][20], arrays[6][0] = np.nan, -np.inf
     ops = ("nans", "zeros", "norm", "mean", "max", "min", "id")
     order = np.array([8, 0, 3, 1, 6, 2, 4])   # rows given out of order, two left alone
-    table = np.array([(row, a.ctypes.data, a.size) for row, a in zip(order, arrays)], dtype=np.int64).reshape(-1)
+    table = np.array([(row, a.ctypes.data, a.size, 0) for row, a in zip(order, arrays)], dtype=np.int64).reshape(-1)
     rows, redo = reductions_at(table, 0.5, 4096, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), 9)
     assert redo.tolist() == [5, 6]
     for k, data in enumerate(arrays[:5]):
@@ -270,6 +270,22 @@ def test_the_address_form_gives_numpy_stats_numbers():
         assert got[:6] == numpy_stats(data, ops[:6], 0.5) and math.isnan(got[6])
     assert math.copysign(1.0, rows[8][5]) == 1.0 and rows[8][5] == 0.0   # -0.0 reported as 0.0
     assert rows.shape == (9, 7) and np.isnan(rows[[2, 4, 5, 7]]).all()   # NaN / inf rows, rows not given
+
+
+def test_a_0_dim_tensors_id_is_its_value_and_other_ids_are_nan():
+    """A table entry marked scalar (a 0-dim tensor) gets its one value as `id`, exactly (float32 values of
+    every magnitude, negative zero as 0.0 like min/max); a one-element array not so marked gets NaN, as
+    numpy_stats gives for anything with a dimension; a non-finite scalar is left to the caller."""
+    values = np.array([0.1, -3.3e38, 1.4e-45, -0.0, 7.0, np.inf], dtype=np.float32)
+    table = np.array([(k, values[k:].ctypes.data, 1, 1) for k in range(6)] + [(6, values[4:].ctypes.data, 1, 0)],
+                     dtype=np.int64).reshape(-1)
+    ops = ("id", "min", "mean")
+    rows, redo = reductions_at(table, 1e-8, 4096, np.array([one_pass.ROW_STATISTICS.index(op) for op in ops]), 7)
+    assert redo.tolist() == [5]
+    for k in range(5):
+        assert rows[k].tolist() == numpy_stats(values[k:k + 1], ops, 1e-8, scalar=True)
+        assert rows[k][0] == float(values[k])
+    assert math.isnan(rows[6][0]) and rows[6][1:].tolist() == [7.0, 7.0]
 
 
 def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before():

@@ -89,27 +89,28 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
                     ) -> Tuple[np.ndarray, List[tuple]]:
     """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
     gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
-    costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors of at
-    least one dimension are read where they lie: their data pointers go to the compiled code in one call,
-    which writes their rows; no array is made (per tensor, that cost more than the loop over a small one).
+    costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
+    where they lie: their data pointers go to the compiled code in one call,
+    which writes their rows (0-dim ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that
+    cost more than the loop over a small one).
     The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
-    located = []   # row, address, size of each tensor read where it lies, flat (one numpy call makes the table)
+    located = []   # row, address, size, 0-dim of each tensor read where it lies, flat (one numpy call: the table)
     elsewhere = []   # rows numpy_stats takes
     layouts = []
     for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
         shape, dtype = tensor.shape, tensor.dtype
         layouts.append((shape, dtype))
-        if direct and shape and is_float32(dtype) and addressable(tensor):
+        if direct and is_float32(dtype) and addressable(tensor):
             address, size = tensor._data_ptr(), math.prod(shape)
             if address and size:
-                located += (index, address, size)
+                located += (index, address, size, not shape)
                 continue
         elsewhere.append(index)
     if located:
         rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, _SMALL, _codes(ops), len(tensors))
         for k in redo.tolist():   # NaN or inf: numpy's rules
-            index = located[3 * k]
-            rows[index] = numpy_stats(_direct_view(tensors[index], "Float32"), ops, eps)
+            index = located[4 * k]
+            rows[index] = numpy_stats(_direct_view(tensors[index], "Float32"), ops, eps, not layouts[index][0])
     else:
         rows = np.empty((len(tensors), len(ops)))
     for index in elsewhere:
