@@ -12,11 +12,13 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from ..monitors.tensor_stats import HostTensor, describe
+from ..compat import dtype_name, is_float32
+from ..monitors.tensor_stats import HostTensor
 from ..one_pass import add_at
 from ..stats import StepDirectViews, _host_array, addressable
 
 logger = logging.getLogger("mindmon")
+_FLOAT32 = np.dtype(np.float32)   # numpy's one float32 dtype object: compared by identity in the hook
 
 
 class GradientSums:
@@ -47,25 +49,25 @@ class GradientSums:
             self._sums[index] = (name, grad if previous is None else previous[1] + grad)
 
     def _add_on_host(self, index: int, name: str, grad) -> None:
-        shape, dtype = describe(grad)
+        shape, dtype = grad.shape, grad.dtype   # as the tensor gives them: made text once, at the first micro-batch
+        float32 = is_float32(dtype)
         size = math.prod(shape)
         first = index not in self._sums
         if first:
-            flat = self._buffer(index, size, np.float32 if dtype == "Float32" else np.float64)
-            self._sums[index] = (name, HostTensor(flat.reshape(shape), dtype))
+            flat = self._buffer(index, size, np.float32 if float32 else np.float64)
+            self._sums[index] = (name, HostTensor(flat.reshape(tuple(map(int, shape))), dtype_name(dtype)))
         else:
             flat = self._buffers[index]
         direct = self.direct_views.allowed()
         # Copied, not referenced, at the first micro-batch: the hook's buffer may be reused.
-        if (direct and dtype == "Float32" and flat.dtype == np.float32 and 0 < size == flat.size
-                and addressable(grad)):
+        if (direct and float32 and flat.dtype is _FLOAT32 and 0 < size == flat.size and addressable(grad)):
             address = grad._data_ptr()
             if address:   # read where it lies, no array built
                 add_at(flat, address, first)
                 return
         if size != flat.size:
-            raise ValueError(f"a gradient of {size} elements, {shape}, for a sum of {flat.size}")
-        micro = _host_array(grad, direct, dtype)
+            raise ValueError(f"a gradient of {size} elements, {tuple(map(int, shape))}, for a sum of {flat.size}")
+        micro = _host_array(grad, direct, dtype_name(dtype))
         np.copyto(flat, micro) if first else np.add(flat, micro, out=flat)
 
     def _buffer(self, index: int, size: int, dtype) -> np.ndarray:
