@@ -4,6 +4,7 @@ import io
 import logging
 import math
 import os
+import uuid
 
 import pytest
 
@@ -108,11 +109,14 @@ def test_format_text_is_the_csv_module_writing_format_row(significant):
     specials = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-13, -4.9999999e-7, 123456789.123456789,
                 2.5e17, 7, np.float32(0.1), np.float64(-3.75)]
     values = specials + (rng.normal(size=300) * 10.0 ** rng.integers(-9, 9, size=300)).tolist()
-    names = ["cell.output", 'a "quoted", name', "line\nbreak", "carriage\rreturn", " spaced ", ""]
+    # Names and shapes new to the process: quoted fields are remembered, and this must test their quoting.
+    fresh = uuid.uuid4().hex
+    names = ["cell.output", 'a "quoted", name', "line\nbreak", "carriage\rreturn", " spaced ", "", "层.输出"]
     ops = ("min", "max", "mean")
-    records = [TensorStatsRecord(4, micro, 0, "actv", names[i % len(names)] + str(i), values[i:i + 3], ops=ops,
-                                 shape=shape, dtype="Float32")
-               for i in range(0, len(values) - 2, 3) for micro, shape in ((i % 4, (2, 3)), (None, [5]), (1, ()))]
+    records = [TensorStatsRecord(4, micro, 0, "actv", names[i % len(names)] + fresh + str(i), values[i:i + 3],
+                                 ops=ops, shape=shape, dtype="Float32")
+               for i in range(0, len(values) - 2, 3)
+               for micro, shape in ((i % 4, (2, int(fresh[:6], 16))), (None, [5]), (1, ()))]
     records.append(TensorStatsRecord(4, 1, 0, "actv", "other", [2.5, 123456789.123456789], ops=("norm", "min"),
                                      shape=(1,), dtype="Float16"))   # the long way, in either mode
     for micro in (False, True):
@@ -202,3 +206,19 @@ def test_rows_of_numbers_are_python_repr_of_round(ndigits):
     for chosen in (rows, in_range):
         assert fmt._number_texts(chosen, ndigits, False) == [
             ",".join(repr(round(value, ndigits)) for value in row) for row in chosen]
+
+
+@pytest.mark.parametrize("ndigits, huge", [(6, 2e9), (1, 2e14)])
+def test_rows_of_ordinary_statistics_take_the_short_way(monkeypatch, ndigits, huge):
+    """The point of _number_texts: values in the proven range (and zeros) are not rounded with round() one by
+    one; only the others are (here 1e-5, a value above 10 ** (15 - ndigits), NaN and -inf)."""
+    import builtins
+
+    rounded = []
+    real_round = builtins.round
+    monkeypatch.setattr(builtins, "round", lambda value, ndigits=None: (rounded.append(value),
+                                                                        real_round(value, ndigits))[1])
+    rows = [[0.5, -123.25, 1e-4, 0.0], [-0.0, 1e-5, huge, 7.0], [float("nan"), 3.0, float("-inf"), 1.0]]
+    texts = fmt._number_texts(rows, ndigits, False)
+    assert texts == [",".join(repr(real_round(v, ndigits)) for v in row) for row in rows]
+    assert rounded[:2] == [1e-5, huge] and math.isnan(rounded[2]) and rounded[3] == -math.inf and len(rounded) == 4
