@@ -115,7 +115,8 @@ def test_spec_mismatch_is_an_error_naming_cell_spec_and_what_it_got(tmp_path, ou
         run(tmp_path, config, steps=2)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors   # once, though the cell is called 4 times
-    assert "targets.fc1.input is 'tuple[2]:0'" in errors[0] and "got tuple[1] (Tensor)" in errors[0]
+    assert errors[0] == ("mindmon: targets.fc1.input is 'tuple[2]:0', but the cell 'fc1' got tuple[1] (Tensor); its "
+                         "forward activations are not collected (fix the spec; print_struct shows what each cell gets)")
     rows = rows_of(output_root)   # fc2 is still collected, fc1 not at all
     assert {key[3] for key in rows} == {"fc2.output"} and len(rows) == 2 * K
     assert_statistics(rows, activation_rows(2))
@@ -269,3 +270,21 @@ def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
     reference = activation_rows(3)   # step 3's forward ends step 2 (the reference has the first three steps)
     assert set(rows) == {key for key in reference if key[1] in (0, 2)}
     assert_statistics(rows, reference)
+
+
+def test_rows_of_a_value_holding_several_tensors_are_numbered_by_position():
+    """`<cell>.input_<i>`: i is the element's place in the hook's tuple, non-tensors and None gradients are
+    skipped without renumbering the rest; a tuple of one tensor is the plain name; gradient rows use the
+    names of the tensors they are gradients of; the root cell's name is empty."""
+    import mindspore as ms
+    from mindmon.msprobe.activations import BACKWARD_KEYS, FORWARD_KEYS, CellValues
+
+    a, b, c = (ms.Tensor(np.full(2, v, np.float32)) for v in (1.0, 2.0, 3.0))
+    forward = CellValues("block", {"input": None, "output": None}, FORWARD_KEYS)
+    rows = forward.pick(((a, 7, b), (c,)))
+    assert [name for name, _ in rows] == ["block.input_0", "block.input_2", "block.output"]
+    assert [tensor is want for (_, tensor), want in zip(rows, (a, b, c))] == [True] * 3
+    backward = CellValues("", {"output_grad": None, "input_grad": None}, BACKWARD_KEYS)
+    rows = backward.pick(((None, a), b))
+    assert [(name, tensor is want) for (name, tensor), want in zip(rows, (b, a))] == [(".output", True),
+                                                                                     (".input_1", True)]

@@ -29,6 +29,7 @@ tests_for() {
     mindmon/monitors/tensor_stats.py) echo "tests/test_tensor_stats_ops.py tests/test_one_pass.py tests/test_msprobe_tensor_stats.py tests/test_direct_view.py tests/test_msprobe_trainer_mon.py" ;;
     mindmon/compat.py) echo "tests/test_compat.py tests/test_msprobe_csv.py" ;;
     mindmon/msprobe/accumulate.py) echo "tests/test_gradient_sums.py tests/test_msprobe_trainer_mon.py tests/test_direct_view.py tests/test_dynamic_on_off.py" ;;
+    mindmon/msprobe/activations.py) echo "tests/test_activations.py tests/test_activations_yaml.py" ;;
     mindmon/formats/msprobe_csv.py) echo "tests/test_msprobe_csv.py tests/test_msprobe_trainer_mon.py tests/test_activations.py" ;;
     mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
     mindmon/distributed.py) echo "tests/test_distributed_collectives.py" ;;

@@ -203,9 +203,9 @@ class ActivationHooks:
         self.handles: Dict[Tuple[str, str], object] = {}
         self._backward_plans: List[Tuple[str, object, Dict[str, Optional[Spec]]]] = []
         self._mismatched: List[Tuple[str, str]] = []
-        # Hook calls of a collected step from cells in training mode / in eval mode: a step with only the
-        # latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
-        self._training_calls = self._eval_calls = 0
+        # Whether a collected step had hook calls from cells in training mode / in eval mode: a step with
+        # only the latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
+        self._saw_training = self._saw_eval = False
         self._warned_eval = False
 
     def attach(self, model) -> int:
@@ -243,9 +243,9 @@ class ActivationHooks:
         def hook(cell, *arguments):   # (inputs, output) forward; (grad_input, grad_output) backward
             if self.collecting():
                 if not cell.training:
-                    self._eval_calls += 1
+                    self._saw_eval = True
                 elif key not in self._mismatched:
-                    self._training_calls += 1
+                    self._saw_training = True
                     self.guard(self._collect, key, point, values, arguments)
         return hook
 
@@ -266,12 +266,12 @@ class ActivationHooks:
     def end_step(self) -> None:
         """Says once if a collected step saw only cells in eval mode; detaches hooks whose spec did not match
         (not from inside a hook: MindSpore is iterating them)."""
-        if self._eval_calls and not self._training_calls and not self._warned_eval:
+        if self._saw_eval and not self._saw_training and not self._warned_eval:
             self._warned_eval = True
             logger.warning("mindmon: xy_distribution: every monitored cell ran in eval mode in this step "
                            "(Cell.training is False; MindSpore cells start so), so no activations were collected; "
                            "call model.set_train(True) before training")
-        self._training_calls = self._eval_calls = 0
+        self._saw_training = self._saw_eval = False
         for key in self._mismatched:
             handle = self.handles.pop(key, None)
             if handle is not None:
