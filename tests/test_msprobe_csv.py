@@ -149,7 +149,7 @@ def test_records_whose_ops_are_the_header_never_take_the_long_way(monkeypatch):
 
 
 def _stress_values(ndigits):
-    """Values around everything rounded_texts' fast range depends on: decimal ties at ndigits places,
+    """Values around everything _number_texts' short way depends on: decimal ties at ndigits places,
     both ends of the range (1e-4 and 10 ** (15 - ndigits)) and just outside them, zeros of both signs,
     rounding to zero and to the ends, non-finite and subnormal values, random values over 30 decades."""
     import numpy as np
@@ -168,34 +168,19 @@ def _stress_values(ndigits):
 
 
 @pytest.mark.parametrize("ndigits", [0, 1, 3, 4, 5, 6, 8, 12, 14, 15, 16, 20])
-def test_rounded_texts_are_python_repr_of_round(ndigits):
-    """rounded_texts takes a shorter way than repr(round()) for most values; its text must be Python's own,
+def test_numbers_are_python_repr_of_round(ndigits):
+    """_number_texts takes a shorter way than repr(round()) for most values; its text must be Python's own,
     checked value by value against repr(round(value, ndigits)) over values placed to break that way."""
     values = _stress_values(ndigits)
-    assert fmt.rounded_texts(values, ndigits) == [repr(round(value, ndigits)) for value in values]
-
-
-@pytest.mark.parametrize("ndigits", [1, 12])
-def test_rounded_texts_take_the_short_way_for_ordinary_statistics(monkeypatch, ndigits):
-    """The point of rounded_texts: ordinary statistics (1e-4 up to 10 ** (15 - ndigits)) are not rounded
-    with round() (2 us a value); values outside the range, NaN and inf are."""
-    import builtins
-
-    rounded = []
-    real_round = builtins.round
-    monkeypatch.setattr(builtins, "round", lambda value, ndigits=None: (rounded.append(value),
-                                                                        real_round(value, ndigits))[1])
-    high = 10.0 ** (15 - ndigits)
-    texts = fmt.rounded_texts([0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, high, float("nan")], ndigits)
-    assert texts == [repr(real_round(v, ndigits)) for v in (0.5, -123.25, 1e-4, 0.0, 999.5, 1e-5, high, math.nan)]
-    assert rounded[:2] == [1e-5, high] and math.isnan(rounded[2]) and len(rounded) == 3
+    assert fmt._number_texts([[value] for value in values], ndigits, False) == [
+        repr(round(value, ndigits)) for value in values]
 
 
 @pytest.mark.parametrize("ndigits", [1, 3, 6, 12, 14])
 def test_rows_of_numbers_are_python_repr_of_round(ndigits):
     """The short way for whole rows (one '%' format per row, trailing zeros stripped over all rows at once)
     gives, value by value, repr(round(value, ndigits)): rows of stress values (some wholly in the short
-    way's range, some with one value outside it, which takes rounded_texts)."""
+    way's range, some with one value outside it)."""
     import numpy as np
 
     values = _stress_values(ndigits)

@@ -87,31 +87,6 @@ def format_value(value: float, ndigits: int, significant: bool = False) -> str:
     return repr(round(float(value), ndigits))
 
 
-def rounded_texts(values: Sequence[float], ndigits: int) -> List[str]:
-    """`repr(round(value, ndigits))` of each value (`format_value`'s text), at half its cost where that
-    text is provably `'%.{ndigits}f' % value` without trailing zeros: `ndigits` >= 1 and
-    1e-4 <= |value| < 10 ** (15 - ndigits), or 0. Why the two agree there: `round` and `%f` make the
-    same correctly rounded decimal d (CPython's dtoa, mode 3); d has at most 15 significant digits, and
-    two different decimals of at most 15 digits never round to the same double, so no shorter digit string
-    stands for `round`'s double than d stripped, which `repr` prints positionally from 1e-4 up (a value
-    of at least 1e-4 cannot round below it: 1e-4 is itself a multiple of 10 ** -ndigits, or it rounds to 0)."""
-    if ndigits < 1:
-        return [repr(round(float(value), ndigits)) for value in values]
-    pattern, high = f"%.{ndigits}f", 10.0 ** (15 - ndigits)
-    texts = []
-    for value in values:
-        if _REPR_POSITIONAL <= abs(value) < high or value == 0:
-            text = (pattern % value).rstrip("0")
-            texts.append(text + "0" if text[-1] == "." else text)
-        else:   # NaN and inf pass through round() unchanged
-            texts.append(repr(round(float(value), ndigits)))
-    return texts
-
-
-# repr prints floats below this in exponent form ('1e-05')
-_REPR_POSITIONAL = 1e-4
-
-
 def format_row(record: TensorStatsRecord, columns: Sequence[str], ndigits: int, significant: bool = False
                ) -> List[str]:
     """One CSV row for `columns` (a header): statistics the record lacks are left empty, so every row
@@ -131,7 +106,7 @@ def format_text(records: Sequence[TensorStatsRecord], columns: Sequence[str], nd
     comma, quote or line break; lines end in CRLF). At thousands of activation rows per step the record-by-
     record way cost more than the statistics, so records whose ops are the header's, in its order (all of a
     file's records unless ops changed while training), take a shorter way to the same text: their numbers
-    come from `_number_texts`, a row at a time, and each name, shape and dtype is quoted once per process."""
+    come from `_number_texts`, all at once, and each name, shape and dtype is quoted once per process."""
     columns = list(columns)
     micro = MICRO_STEP in columns
     fits = {}                                    # ops -> whether the header is exactly theirs
@@ -154,10 +129,20 @@ def format_text(records: Sequence[TensorStatsRecord], columns: Sequence[str], nd
     return "".join(lines)
 
 
+# repr prints floats below this in exponent form ('1e-05')
+_REPR_POSITIONAL = 1e-4
+
+
 def _number_texts(rows: Sequence[Sequence[float]], ndigits: int, significant: bool) -> List[str]:
-    """Each row's statistics as `format_value` writes them, joined by commas. Values where `rounded_texts`
-    proves '%.Nf' without trailing zeros is the text are formatted in one `map` and stripped of their zeros
-    all at once; the rest (activation gradients are often below 1e-4) one by one, as `rounded_texts` does."""
+    """Each row's statistics as `format_value` writes them (`repr(round(value, ndigits))`), joined by commas.
+    Where that text is provably `'%.{ndigits}f' % value` without trailing zeros (`ndigits` >= 1 and
+    1e-4 <= |value| < 10 ** (15 - ndigits), or 0), the values are formatted in one `map` and stripped of
+    their zeros all at once; the rest (activation gradients are often below 1e-4) one by one. Why the two
+    agree there: `round` and `%f` make the same correctly rounded decimal d (CPython's dtoa, mode 3); d has
+    at most 15 significant digits, and two different decimals of at most 15 digits never round to the same
+    double, so no shorter digit string stands for `round`'s double than d stripped, which `repr` prints
+    positionally from 1e-4 up (a value of at least 1e-4 cannot round below it: 1e-4 is itself a multiple
+    of 10 ** -ndigits, or it rounds to 0)."""
     if not rows:
         return []
     if significant or ndigits < 1:
@@ -176,19 +161,19 @@ def _number_texts(rows: Sequence[Sequence[float]], ndigits: int, significant: bo
 
 
 def _without_trailing_zeros(text: str) -> str:
-    """Lines of '%.Nf' numbers (N >= 1), also separated by commas, each stripped of its trailing zeros but the first
-    decimal ('12.500000' -> '12.5', '3.000000' -> '3.0'), in numpy over the characters: a regular
-    expression took 12 ms over a step's 2,828 activation rows, this 2 ms."""
+    """Lines of one '%.Nf' number each (N >= 1), each stripped of its trailing zeros but the first decimal
+    ('12.500000' -> '12.5', '3.000000' -> '3.0'), in numpy over the characters: a regular expression took
+    12 ms over a step's 2,828 activation rows, this 2 ms."""
     chars = np.frombuffer(text.encode("ascii"), np.uint8)
     zero = chars == _ZERO
     # each position's first non-zero character at or after it (len(chars): the text's end)
     following = np.minimum.accumulate(np.where(zero, len(chars), np.arange(len(chars)))[::-1])[::-1]
-    ends_number = np.append((chars == _COMMA) | (chars == _NEWLINE), True)[following]
+    ends_number = np.append(chars == _NEWLINE, True)[following]
     after_point = np.append(False, chars[:-1] == _POINT)
     return chars[~(zero & ends_number & ~after_point)].tobytes().decode("ascii")
 
 
-_ZERO, _POINT, _COMMA, _NEWLINE = (ord(c) for c in "0.,\n")
+_ZERO, _POINT, _NEWLINE = (ord(c) for c in "0.\n")
 
 
 def _csv_field(text: str) -> str:
