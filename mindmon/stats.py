@@ -14,7 +14,7 @@ from typing import Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .compat import dtype_name, mindspore_types
+from .compat import dtype_name
 from .one_pass import add_and_squares, prepare
 
 
@@ -88,14 +88,12 @@ _DTYPES: Dict[str, np.dtype] = {name: np.dtype(code) for name, code in (
 
 def addressable(tensor) -> bool:
     """Whether a CPU tensor's elements lie in order at its data pointer (which includes the storage
-    offset): contiguous, initialised (a lazily initialised Parameter has no memory yet), and MindSpore
-    gives the pointer. Only where `direct_views_allowed()`. For a plain `mindspore.Tensor`, what most hooks
-    get, only contiguity is asked: one not initialised yet gives 0 as its pointer, which every caller
-    checks (measured on MindSpore 2.9), and each attribute read in a hook costs microseconds."""
-    if type(tensor) is not mindspore_types().tensor and (
-            not hasattr(tensor, "_data_ptr") or getattr(tensor, "has_init", False)):
-        return False
-    return tensor.is_contiguous()
+    offset): a MindSpore tensor (it gives the pointer), contiguous. Only where `direct_views_allowed()`.
+    One not initialised yet (a Tensor made with an initializer; Parameters made from one are initialised
+    when made, here) is contiguous but has no memory: it gives data pointer 0, which every caller refuses
+    (measured on MindSpore 2.9 and tested), so it is not asked for separately: each attribute read in a
+    hook costs microseconds."""
+    return hasattr(tensor, "_data_ptr") and tensor.is_contiguous()
 
 
 def _direct_view(tensor, name: str):

@@ -188,7 +188,7 @@ def test_tensors_not_initialised_yet_are_read_through_asnumpy():
 
     lazy_tensor = ms.Tensor(shape=(3, 5), dtype=ms.float32, init=Constant(-2.5))
     lazy_parameter = ms.Parameter(ms.Tensor(shape=(4,), dtype=ms.float32, init=Constant(0.75)), name="p")
-    assert lazy_tensor._data_ptr() == 0
+    assert lazy_tensor._data_ptr() == 0   # (a Parameter made from one is initialised when made, here)
     stats = TensorStats(("min", "max", "mean", "norm"), 1e-8, on_host=True)
     stats.add("actv", [("t", lazy_tensor), ("p", lazy_parameter)])
     values = stats.results()[0].values
