@@ -90,10 +90,9 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
     gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
     costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
-    where they lie: their data pointers go to the compiled code in one call,
-    which writes their rows (0-dim ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that
-    cost more than the loop over a small one).
-    The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
+    where they lie: their data pointers go to the compiled code in one call, which writes their rows (0-dim
+    ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that cost more than the loop over
+    a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
     located = []   # row, address, size, 0-dim of each tensor read where it lies, flat (one numpy call: the table)
     elsewhere = []   # rows numpy_stats takes
     layouts = []
