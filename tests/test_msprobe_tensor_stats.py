@@ -65,6 +65,23 @@ def test_id_is_the_value_of_a_scalar(on_host):
     monitor.record("param_origin", [("inf", ms.Tensor(np.float32(-np.inf))), ("nan", ms.Tensor(np.float32(np.nan)))])
     infinite, missing = monitor.collect(2)
     assert infinite.value == [-math.inf, -math.inf] and all(math.isnan(v) for v in missing.value)
+    # tensors that are not float32 (taken through numpy): a 0-dim one's id is its value, a vector's is NaN
+    monitor.record("param_origin", [("step", ms.Tensor(np.int32(7))), ("ids", ms.Tensor(np.array([3, 5], np.int32)))])
+    count, ids = monitor.collect(3)
+    assert count.value == [7.0, 7.0] and math.isnan(ids.value[0]) and ids.value[1] == 5.0
+
+
+def test_points_gathered_on_the_device_are_each_their_own_statistics():
+    """Off the host, each point's statistics are device tensors until one transfer at collect, then split
+    back per point: three points, each checked against numpy."""
+    arrays = {"param_origin": np.array([1.0, -2.0, 4.0], np.float32), "grad_reduced": np.array([0.5], np.float32),
+              "exp_avg": np.array([[3.0, -1.0], [2.0, 8.0]], np.float32)}
+    monitor = TensorStatsMonitor(("max", "mean"), on_host=False)
+    for point, array in arrays.items():
+        monitor.record(point, [(point, ms.Tensor(array))])
+    records = monitor.collect(1)
+    assert [(r.kind, r.value) for r in records] == [
+        (point, [float(array.max()), float(array.mean())]) for point, array in arrays.items()]
 
 
 def test_huge_float32_values_do_not_overflow(recwarn):
