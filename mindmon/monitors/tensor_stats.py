@@ -172,20 +172,15 @@ class HostTensor:
         return self.array
 
 
-def describe(tensor) -> Tuple[Tuple[int, ...], str]:
-    """Shape and dtype as msprobe prints them: `(16, 8)`, `Float32`."""
-    return layout(tensor.shape, tensor.dtype)
-
-
 def layout(shape, dtype) -> Tuple[Tuple[int, ...], str]:
-    """A tensor's shape and dtype objects as msprobe prints them."""
+    """A tensor's shape and dtype objects as msprobe prints them: `(16, 8)`, `Float32`."""
     return tuple(map(int, shape)), dtype_name(dtype)
 
 
 class Gathered(NamedTuple):
     """The statistics of the tensors of one `add`: values float64 [tensors, ops] (a device tensor until
     `results()`), with the ops they were taken with (ops may change while training); layouts: each
-    tensor's (shape, dtype) objects until `results()`, then as `describe` gives them."""
+    tensor's (shape, dtype) objects until `results()`, then as `layout` gives them."""
 
     point: str
     micro_step: Optional[int]
@@ -220,7 +215,7 @@ class TensorStats:
         self._pending.append(Gathered(point, micro_step, names, layouts, values, self.ops))
 
     def results(self) -> List[Gathered]:
-        """Everything gathered, statistics as float64 arrays [tensors, ops], layouts as `describe` gives them;
+        """Everything gathered, statistics as float64 arrays [tensors, ops], layouts as `layout` gives them;
         one host transfer at most."""
         device = [entry.values.reshape(-1) for entry in self._pending if not isinstance(entry.values, np.ndarray)]
         if device:

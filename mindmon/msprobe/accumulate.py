@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from ..compat import dtype_name, is_float32
-from ..monitors.tensor_stats import HostTensor
+from ..monitors.tensor_stats import HostTensor, layout
 from ..one_pass import add_at
 from ..stats import StepDirectViews, _host_array, addressable
 
@@ -55,7 +55,8 @@ class GradientSums:
         first = index not in self._sums
         if first:
             flat = self._buffer(index, size, np.float32 if float32 else np.float64)
-            self._sums[index] = (name, HostTensor(flat.reshape(tuple(map(int, shape))), dtype_name(dtype)))
+            shape_ints, dtype_text = layout(shape, dtype)
+            self._sums[index] = (name, HostTensor(flat.reshape(shape_ints), dtype_text))
         else:
             flat = self._buffers[index]
         direct = self.direct_views.allowed()
