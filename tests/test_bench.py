@@ -4,6 +4,7 @@ import glob
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
         assert row["steps_timed"] == 2 and row["median_step_s"] > 0 and row["median_cpu_s"] > 0
         assert row["ratio_to_off"] == pytest.approx(row["median_step_s"] / rows["off"]["median_step_s"])
     assert rows["off"]["in_mindmon_ms_per_step"] == 0.0 and rows["train_state"]["in_mindmon_ms_per_step"] > 0
+    assert "gc ms mean" in result.stdout and all(row["collector_ms_per_step_mean"] >= 0 for row in rows.values())
     assert [run["num_layers"] for run in data["scaling"]] == [2]
     assert [row["config"] for row in data["scaling"][0]["rows"]] == ["off", "train_state"]
     assert data["settings"]["pynative_synchronize"] is True
@@ -159,3 +161,24 @@ def test_cpu_path_reads_each_gradient_once_per_micro_step(tmp_path, monkeypatch)
         if r["kind"] == "local_norm":
             increments[r["name"]] = increments.get(r["name"], 0.0) + r["value"]
     assert increments == pytest.approx(device, rel=1e-6)
+
+
+def test_collector_clock_counts_the_time_of_a_collection():
+    import gc
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_overhead import CollectorClock
+
+    clock = CollectorClock()
+    try:
+        garbage = [[] for _ in range(200_000)]
+        for a, b in zip(garbage, garbage[1:]):   # cycles: the collection has work to do
+            a.append(b)
+            b.append(a)
+        del garbage, a, b
+        before, start = clock.seconds, time.perf_counter()
+        gc.collect()
+        elapsed = time.perf_counter() - start
+        assert 0 < clock.seconds - before <= elapsed
+    finally:
+        gc.callbacks.remove(clock._callback)
+

@@ -26,6 +26,7 @@ Configurations:
 The scaling run repeats off / train_state at several layer counts.
 """
 import argparse
+import gc
 import json
 import logging
 import os
@@ -241,7 +242,7 @@ class Configuration:
         (MindFormers' LossCallback logs it every step), then the monitors flush."""
         from mindmon import split_batch
 
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, collector_start = time.perf_counter(), time.process_time(), COLLECTOR.seconds
         if self.group is not None:
             self.group.in_step = self.group.at_end = 0.0
         self.buffer_add = 0.0
@@ -253,7 +254,7 @@ class Configuration:
             self.group.flush(self.steps)
         in_step, at_end = (self.group.in_step, self.group.at_end) if self.group is not None else (0.0, 0.0)
         return StepTime(time.perf_counter() - start, time.process_time() - cpu_start, in_step, at_end,
-                        self.buffer_add)
+                        self.buffer_add, COLLECTOR.seconds - collector_start)
 
     def close(self) -> None:
         if self.group is not None:
@@ -404,10 +405,30 @@ class StepTime:
     in_step: float
     at_end: float
     buffer_add: float = 0.0
+    collector: float = 0.0   # Python's cycle collector, whatever code it interrupted
 
     @property
     def in_mindmon(self) -> float:
         return self.in_step + self.at_end
+
+
+class CollectorClock:
+    """Seconds Python's cycle collector has run in this process (`gc.callbacks`). The medians above miss a
+    full collection that comes every few steps; the table shows this clock's mean per step (`gc ms mean`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+COLLECTOR = CollectorClock()
 
 
 @dataclass
@@ -481,6 +502,7 @@ def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
             "median_cpu_s": _median(s.times, "cpu"),
             "cpu_ratio_to_off": _median(s.times, "cpu") / _median(base, "cpu"),
             **_in_mindmon(s.times, base),
+            "collector_ms_per_step_mean": statistics.mean(t.collector for block in s.times for t in block) * 1e3,
             "peak_rss_rise_mib": (statistics.median(s.rss_rise_kib) / 1024) if s.rss_rise_kib else None,
             "python_peak_mib": s.python_peak_kib / 1024 if s.python_peak_kib is not None else None,
         })
@@ -687,7 +709,8 @@ def _reference_line(main: dict) -> List[str]:
 def format_tables(result: dict) -> str:
     head = (f"{'config':<17}{'median step s':>14}{'x off':>8}{'added ms':>10}{'round ratios min..max':>24}"
             f"{'min x off':>11}"
-            f"{'CPU x off':>11}{'mindmon ms: step+add+end':>26}{'peak RSS rise MiB':>19}{'py peak MiB':>13}")
+            f"{'CPU x off':>11}{'mindmon ms: step+add+end':>26}{'gc ms mean':>12}{'peak RSS rise MiB':>19}"
+            f"{'py peak MiB':>13}")
     lines = [f"main run ({result['main']['size']['parameters']:,} parameters in "
              f"{result['main']['size']['parameter_tensors']} tensors), rounds x steps per block = "
              f"{result['settings']['rounds']} x {result['settings']['steps_per_block']}", head]
@@ -740,7 +763,7 @@ def _row_line(row: dict) -> str:
     spread = f"{row['round_ratio_min']:.4f}..{row['round_ratio_max']:.4f}"
     return (f"{row['config']:<17}{row['median_step_s']:>14.3f}{row['ratio_to_off']:>8.4f}"
             f"{row['added_ms_per_step']:>10.1f}{spread:>24}{row['min_ratio_to_off']:>11.4f}{row['cpu_ratio_to_off']:>11.4f}"
-            f"{_split(row):>26}{mib(row['peak_rss_rise_mib']):>19}"
+            f"{_split(row):>26}{row['collector_ms_per_step_mean']:>12.1f}{mib(row['peak_rss_rise_mib']):>19}"
             f"{mib(row['python_peak_mib']):>13}")
 
 

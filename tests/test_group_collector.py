@@ -1,0 +1,59 @@
+"""A step end makes thousands of short-lived records; Python's cycle collector must not run over them (it
+moved them to older generations, which brought on a full collection every few steps), and the program's own
+collector setting must be what it was afterwards."""
+import csv
+import gc
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from mindmon.group import MonitorGroup
+from mindmon.monitors.tensor_stats import TensorStatsMonitor
+from mindmon.sinks.csv import MsprobeCsvSink
+
+TENSORS = 3000   # rows at one step end: above 700 allocations, the collector's first threshold, several times
+
+
+def _group_with_rows(tmp_path):
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(5 + i % 11).astype(np.float32) for i in range(TENSORS)]
+    monitor = TensorStatsMonitor(("min", "max", "norm"), on_host=True)
+    group = MonitorGroup([monitor], [MsprobeCsvSink(str(tmp_path), ndigits=6)])
+    group.setup(max_steps=1)
+    group.record("actv", [(f"cell{i}.output", ms.Tensor(a)) for i, a in enumerate(arrays)], {"micro_step": 0})
+    return group, arrays
+
+
+def _flush_counting_collections(group):
+    collections = []
+    callback = lambda phase, info: collections.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.collect()   # the count of allocations starts from 0: a collection now means the step end's own
+    gc.callbacks.append(callback)
+    try:
+        group.flush(1)
+    finally:
+        gc.callbacks.remove(callback)
+    return collections
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_collection_runs_during_a_step_end_and_the_setting_is_restored(tmp_path, enabled):
+    group, arrays = _group_with_rows(tmp_path)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        collections = _flush_counting_collections(group)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+        group.close()
+    assert collections == []
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("actv_*.csv")))))
+    assert len(rows) == TENSORS
+    for i in (0, 1234, TENSORS - 1):   # the rows are the tensors' statistics (numpy, float64)
+        row = next(r for r in rows if r["name"] == f"cell{i}.output")
+        expected = arrays[i].astype(np.float64)
+        assert float(row["min"]) == pytest.approx(expected.min(), abs=1e-6)
+        assert float(row["max"]) == pytest.approx(expected.max(), abs=1e-6)
+        assert float(row["norm"]) == pytest.approx(np.linalg.norm(expected), rel=1e-5)
