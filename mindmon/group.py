@@ -198,4 +198,3 @@ def _no_cycle_collection():
     finally:
         if enabled:
             gc.enable()
-
