@@ -107,21 +107,26 @@ def _in_sums_precision(zero, value):
 
 
 def _one_pass(values, signed, unsigned, eps, zero):
-    """The loop numba compiles (plain Python here, so it also runs as written with NUMBA_DISABLE_JIT=1)."""
+    """The loop numba compiles (plain Python here, so it also runs as written with NUMBA_DISABLE_JIT=1).
+    Each block is read through slices, indexed from 0: indexed from `start` (numba cannot prove such an
+    index non-negative, so it keeps its negative-index check in the loop), it was not vectorised on an
+    AVX-512 Xeon: 1.3 ns per element in cache, against 0.2-0.3 (docs/performance.md)."""
     total = squares = 0.0
     small = 0
     signed_max, unsigned_min, unsigned_max = signed[0], unsigned[0], unsigned[0]
     for start in range(0, values.size, _BLOCK):
+        end = min(start + _BLOCK, values.size)
+        block, block_signed, block_unsigned = values[start:end], signed[start:end], unsigned[start:end]
         block_total, block_squares, block_small = zero, zero, np.float32(0)   # 4096 counts exactly
-        for i in range(start, min(start + _BLOCK, values.size)):
-            value = values[i]
+        for i in range(block.size):
+            value = block[i]
             widened = _in_sums_precision(zero, value)
             block_total += widened
             block_squares += widened * widened
             block_small += np.float32(abs(value) < eps)
-            signed_max = signed[i] if signed[i] > signed_max else signed_max
-            unsigned_min = unsigned[i] if unsigned[i] < unsigned_min else unsigned_min
-            unsigned_max = unsigned[i] if unsigned[i] > unsigned_max else unsigned_max
+            signed_max = max(block_signed[i], signed_max)
+            unsigned_min = min(block_unsigned[i], unsigned_min)
+            unsigned_max = max(block_unsigned[i], unsigned_max)
         total += block_total
         squares += block_squares
         small += int(block_small)

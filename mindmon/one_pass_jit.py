@@ -6,6 +6,10 @@ The address form is for tensors: a tensor's data pointer goes straight into the 
 building a numpy array around it first (a ctypes buffer, `frombuffer`, two bit views) cost several
 times what the loop itself costs over a tensor of a few thousand elements. Imported on the first
 statistics a process takes (importing numba takes a second or two); the compiled code is cached on disk.
+
+numba keys each cached function on its own file only: the functions compiled here carry one_pass.py's
+loops inside them, so after editing one_pass.py (in a checkout; an install rewrites every file) the
+cache must be cleared (`rm mindmon/__pycache__/*.nb[ic]`), or `float32_at` keeps the old loop.
 """
 import ctypes
 
