@@ -2,7 +2,11 @@
 patterns (every sign mix, -0.0, infinities, subnormals, the block edges), sums in float32 blocks and
 in float64, counts below eps in the data's precision, NaN and overflow handed back to numpy, and
 every dtype a tensor can have."""
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -250,11 +254,42 @@ def test_compiles_without_a_writable_cache(monkeypatch, fresh_compilation):
         assert isinstance(loop._cache, caching.NullCache)   # compiled, not cached
 
 
+
+_BOTH_WAYS = """
+import json
+import numpy as np
+from mindmon.monitors.tensor_stats import numpy_stats
+from mindmon.one_pass import ROW_STATISTICS, reductions_at
+ops = ("min", "max", "mean", "norm", "zeros")
+found = []
+for size in (5000, 100_003):
+    data = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+    table = np.array([0, data.ctypes.data, size, 0], dtype=np.int64)
+    rows, _ = reductions_at(table, 1e-8, 4096, np.array([ROW_STATISTICS.index(op) for op in ops]), 1)
+    found.append([numpy_stats(data, ops, 1e-8), rows[0].tolist()])
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(numba.config.DISABLE_JIT, reason="nothing is compiled with NUMBA_DISABLE_JIT=1")
+def test_an_array_gets_the_same_numbers_both_ways_when_the_code_comes_from_the_disk_cache(tmp_path):
+    """numba's code loaded from its disk cache was seen to add differently from code just compiled (the last
+    float32 bit of a sum), so `numpy_stats` takes finite float32 arrays through the address form: in a
+    process that compiles the loops and in one that loads them, both ways give an array the same numbers."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for process in ("compiles", "loads from the cache"):
+        done = subprocess.run([sys.executable, "-c", _BOTH_WAYS], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        for array_form, address_form in json.loads(done.stdout.splitlines()[-1]):
+            assert array_form == address_form, process
+        assert list(tmp_path.rglob("*float32_at*.nbi")), "nothing was cached"
+
+
 def test_the_address_form_gives_numpy_stats_numbers():
-    """`reductions_at` over arrays' memory writes exactly the numbers `numpy_stats` gives (the same loop and
-    arithmetic, which the tests above hold against float64 numpy), each array summed wide up to
-    `small_size` elements and narrow above, each into the row it is told; from an offset address it reads
-    only what it is told; arrays holding NaN or inf are left to the caller, their rows NaN."""
+    """`reductions_at` over arrays' memory writes exactly the numbers `numpy_stats` gives (which takes finite
+    float32 arrays through it, and which the tests above hold against float64 numpy), each array summed
+    wide up to `small_size` elements and narrow above, each into the row it is told; from an offset
+    address it reads only what it is told; arrays holding NaN or inf are left to the caller, their rows NaN."""
     rng = np.random.default_rng(11)
     arrays = [rng.standard_normal(size + 7).astype(np.float32)[3:3 + size]
               for size in (1, 4095, 4096, 4097, 100_003, 50, 60)]

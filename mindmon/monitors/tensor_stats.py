@@ -52,11 +52,16 @@ POINTS = (PARAM_ORIGIN, PARAM_UPDATED, GRAD_UNREDUCED, GRAD_REDUCED, EXP_AVG, EX
 
 def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:
     """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order: one compiled
-    pass (`one_pass.reductions`); data that is not float32/float64 is taken as float64 first."""
+    pass (float32 as `_float32_row` says, the rest by `one_pass.reductions`, and float32 holding NaN or inf
+    too); data that is not float32/float64 is taken as float64 first."""
     size = flat.size
     if not size:
         return [_EMPTY[op] for op in ops]
-    if flat.dtype != np.float32 and flat.dtype != np.float64:
+    if flat.dtype == np.float32:
+        row = _float32_row(flat, ops, eps, scalar)
+        if row is not None:
+            return row
+    elif flat.dtype != np.float64:
         flat = flat.astype(np.float64)
     found = reductions(flat, eps, wide=size <= _SMALL)
     total = found.total
@@ -69,6 +74,18 @@ def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool =
               "mean": total / size, "norm": _root(found.squares, flat), "zeros": found.small / size,
               "nans": float(nans), "id": float(flat[0]) if scalar else math.nan}
     return [values[op] for op in ops]
+
+
+def _float32_row(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool) -> Optional[List[float]]:
+    """A float32 array's statistics by the compiled code that reads tensors at their data pointers
+    (`reductions_at`), so that a tensor gets the same numbers whichever way it reached the statistics:
+    two compiled copies of the loop may add in different orders (its sums are reassociated into vector
+    lanes, and numba's code loaded from its disk cache was seen to differ from code just compiled in the
+    last float32 bit). None when the array holds NaN or inf (numpy's rules then)."""
+    flat = np.ascontiguousarray(flat)
+    table = np.array([0, flat.ctypes.data, flat.size, scalar], dtype=np.int64)
+    rows, redo = reductions_at(table, eps, _SMALL, _codes(ops), 1)
+    return None if redo.size else rows[0].tolist()
 
 
 # An empty tensor: no element to take a min, max or mean of; nothing is zero, NaN or large.
