@@ -254,7 +254,6 @@ def test_compiles_without_a_writable_cache(monkeypatch, fresh_compilation):
         assert isinstance(loop._cache, caching.NullCache)   # compiled, not cached
 
 
-
 _BOTH_WAYS = """
 import json
 import numpy as np
