@@ -44,6 +44,10 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     apart = data["main"]["norms_in_add"]   # the add of the K captured micro-batches, with and without norms
     assert apart["repeats"] == 7 and apart["add_ms"] > 0 and apart["add_with_norms_ms"] > 0
     assert "train_state's add measured apart" in result.stdout
+    floor = data["main"]["statistics_floor"]   # numpy's gradient sum and one read of the six points
+    assert floor["repeats"] == 7 and floor["gradient_sum_ms"] > 0 and floor["one_read_ms"] > 0
+    assert floor["floor_ms"] == pytest.approx(floor["gradient_sum_ms"] + floor["one_read_ms"])
+    assert "tensor_stats' memory floor (numpy, fastest of 7): the gradient sum" in result.stdout
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
     # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for

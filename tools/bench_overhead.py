@@ -23,7 +23,9 @@ Configurations:
     activations_idle    the same TrainerMon, but no step collected: what a step it skips costs (forward
                         hooks stay; backward hooks are attached only for collected steps)
     l2_features         attention entropy / softmax max and stable rank of every attention and linear cell
-The scaling run repeats off / train_state at several layer counts.
+The scaling run repeats off / train_state at several layer counts. With tensor_stats in the run, the
+table also gives its memory floor: what numpy takes for the memory work those statistics need (the sum
+of the micro-batch gradients, one read of each point's arrays), as a share of the off step.
 """
 import argparse
 import gc
@@ -569,12 +571,46 @@ def measure_norms_in_add(config: Configuration, repeats: int = 7) -> Optional[di
             "norms_ms": (best[True] - best[False]) * 1e3, "repeats": repeats}
 
 
+def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
+    """The least memory work `tensor_stats` needs per step, whatever computes it, done by numpy on fresh
+    float32 arrays of the model's parameter sizes (fastest of `repeats`): the sum of the K micro-batch
+    gradients (`grad_unreduced` is the sum; a copy and K - 1 adds, numpy's own speed) and one read of
+    each of the six points' arrays (BLAS's dot of an array with itself: the fastest read numpy has here;
+    any statistic reads at least that). The arrays are larger than the last-level cache, as in training."""
+    sizes = [int(np.prod(p.shape)) for p in work.optimizer.parameters]
+    rng = np.random.default_rng(0)
+    micro = [[rng.standard_normal(n, dtype=np.float32) for n in sizes] for _ in range(work.size.micro_steps)]
+    sums = [np.empty(n, np.float32) for n in sizes]
+    # the other five points: weights before and after the update, grad_reduced, Adam's two moments
+    others = [[rng.standard_normal(n, dtype=np.float32) for n in sizes] for _ in range(5)]
+
+    def gradient_sums():
+        for i, total in enumerate(sums):
+            np.copyto(total, micro[0][i])
+            for gradients in micro[1:]:
+                np.add(total, gradients[i], out=total)
+
+    def one_read_each():
+        for arrays in others + [sums]:
+            for array in arrays:
+                np.dot(array, array)
+
+    best = {}
+    for name, work_done in (("gradient_sum_ms", gradient_sums), ("one_read_ms", one_read_each)):
+        for _ in range(repeats):
+            start = time.perf_counter()
+            work_done()
+            best[name] = min(best.get(name, float("inf")), (time.perf_counter() - start) * 1e3)
+    return {**best, "floor_ms": best["gradient_sum_ms"] + best["one_read_ms"], "repeats": repeats}
+
+
 def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     work = Workload(size)
     log(f"main run: {work.describe()}")
     configs = _main_configs(work, out_dir, args.only)
     samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
     norms_in_add = measure_norms_in_add(configs[1])
+    floor = measure_statistics_floor(work) if any(c.name == "tensor_stats" for c in configs) else None
     for config in configs:
         config.close()
     rows = summarize(samples)
@@ -582,7 +618,7 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     reference = next((r for r in rows if r["config"] == "host_sync_ref"), None)
     added = ours["added_ms_per_step"]
     result = {"size": work.describe(), "rows": rows, "off_median_step_s": off["median_step_s"],
-              "norms_in_add": norms_in_add}
+              "norms_in_add": norms_in_add, "statistics_floor": floor}
     if reference is None:
         return result
     # train_state's norms are taken in the buffer add (the reference's in its record calls): measured apart
@@ -694,6 +730,19 @@ def _norms_in_add_line(main: dict) -> List[str]:
             f"{apart['norms_ms']:.1f} ms; step+add+end = {total:.1f} ms = {total / off_step_ms:.2%} of the off step"]
 
 
+def _floor_line(main: dict) -> List[str]:
+    floor = main.get("statistics_floor")
+    ours = next((row for row in main["rows"] if row["config"] == "tensor_stats"), None)
+    if not floor or ours is None:
+        return []
+    off_step_ms = main["off_median_step_s"] * 1e3
+    return [f"tensor_stats' memory floor (numpy, fastest of {floor['repeats']}): the gradient sum "
+            f"{floor['gradient_sum_ms']:.1f} ms + one read of the six points {floor['one_read_ms']:.1f} ms = "
+            f"{floor['floor_ms']:.1f} ms = {floor['floor_ms'] / off_step_ms:.2%} of the off step "
+            f"(tensor_stats in mindmon: {ours['in_mindmon_ms_per_step']:.1f} ms = "
+            f"{ours['in_mindmon_ms_per_step'] / off_step_ms:.2%})"]
+
+
 def _reference_line(main: dict) -> List[str]:
     if "host_sync_added_over_train_state_added" not in main:
         return []
@@ -717,6 +766,7 @@ def format_tables(result: dict) -> str:
     lines += [_row_line(r) for r in result["main"]["rows"]]
     main = result["main"]
     lines += _norms_in_add_line(main)
+    lines += _floor_line(main)
     lines += _reference_line(main)
     if result["scaling"]:
         lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",
