@@ -123,6 +123,11 @@ def is_float32(dtype) -> bool:
 class MindSporeTypes(NamedTuple):
     tensor: type
     float32: object
+    # The C++ class under `Tensor` (and `Parameter`), whose own attributes `Tensor.shape`, `.dtype`,
+    # `.is_contiguous()` and `._data_ptr()` only wrap in Python (MindSpore 2.7 and 2.9): `_shape`,
+    # `_dtype`, `core.is_contiguous(t)`, `core._data_ptr(t)` give the same, without a Python frame each (in
+    # a hook's context each frame costs microseconds). A class nothing is an instance of where they differ.
+    core: type
 
 
 _MINDSPORE_TYPES = []
@@ -134,8 +139,23 @@ def mindspore_types() -> MindSporeTypes:
     if not _MINDSPORE_TYPES:
         import mindspore
 
-        _MINDSPORE_TYPES.append(MindSporeTypes(mindspore.Tensor, mindspore.float32))
+        _MINDSPORE_TYPES.append(MindSporeTypes(mindspore.Tensor, mindspore.float32, _tensor_core(mindspore)))
     return _MINDSPORE_TYPES[0]
+
+
+class _NoCore:
+    """Stands for the C++ tensor class where its attributes are not what `_tensor_core` checks."""
+
+
+def _tensor_core(mindspore) -> type:
+    core = mindspore.Tensor.__mro__[1]
+    try:
+        probe = mindspore.Tensor([[0.0, 0.0]], mindspore.float32)
+        same = (isinstance(probe, core) and probe._shape == probe.shape and probe._dtype is probe.dtype
+                and core.is_contiguous(probe) == probe.is_contiguous() and callable(core._data_ptr))
+    except Exception:   # noqa: BLE001 - any difference means: the public attributes
+        same = False
+    return core if same else _NoCore
 
 
 _DTYPE_NAMES: dict = {}

@@ -33,7 +33,6 @@ class Reductions(NamedTuple):
 
 _BIT_VIEWS = {4: (np.int32, np.uint32), 8: (np.int64, np.uint64)}
 _WIDE_ZERO = np.float64(0)
-_FLOAT32 = np.dtype(np.float32)
 # numpy scalars of eps and 0 per (dtype, eps): making them costs a microsecond per tensor otherwise
 _SCALARS: Dict[Tuple[np.dtype, float], Tuple[np.generic, np.generic]] = {}
 
@@ -58,7 +57,7 @@ def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndar
     `row` holds the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf; and the
     table positions of those, for the caller to take with NaN rules. Rows no tensor is given for are NaN.
     (Allocated in the compiled call: in a hook's context, each numpy call from Python costs microseconds.)"""
-    return _compiled().float32_at(table, _scalars(_FLOAT32, eps, True)[0], small_size, codes, n_rows)
+    return _compiled().float32_at(table, float(eps), small_size, codes, n_rows)   # a float: typed at once
 
 
 def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:

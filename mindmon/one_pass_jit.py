@@ -80,6 +80,7 @@ _FLOAT32, _INT32, _UINT32 = (_pointer_to(item) for item in (types.float32, types
 
 
 def _float32_at(table, eps, small_size, codes, n_rows):
+    eps = np.float32(eps)   # what |x| < eps compares: eps in the data's precision
     rows = np.full((n_rows, codes.size), np.nan)
     redo = np.empty(table.size // 4, np.int64)
     count = 0
@@ -99,6 +100,7 @@ def _float32_at(table, eps, small_size, codes, n_rows):
 
 def _python_float32_at(table, eps, small_size, codes, n_rows):
     """`_float32_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
+    eps = np.float32(eps)
     rows = np.full((n_rows, codes.size), np.nan)
     redo = []
     for k, (row, address, size, scalar) in enumerate(table.reshape(-1, 4).tolist()):

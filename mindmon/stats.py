@@ -14,7 +14,7 @@ from typing import Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .compat import dtype_name
+from .compat import dtype_name, is_float32, mindspore_types
 from .one_pass import add_and_squares, prepare
 
 
@@ -94,6 +94,24 @@ def addressable(tensor) -> bool:
     (measured on MindSpore 2.9 and tested), so it is not asked for separately: each attribute read in a
     hook costs microseconds."""
     return hasattr(tensor, "_data_ptr") and tensor.is_contiguous()
+
+
+def float32_memory(tensor, direct: bool) -> Tuple[object, object, int]:
+    """A tensor's shape and dtype objects, and, with `direct` (see `direct_views_allowed`), the data
+    pointer of a contiguous float32 MindSpore tensor (0 for any other, and for one with no memory yet,
+    as `addressable` says). For every tensor a hook sees: MindSpore's C++ attributes are read without
+    Tensor's Python wrappers (`compat.MindSporeTypes.core`), each a frame that costs microseconds in a
+    hook's context."""
+    _, float32, core = mindspore_types()
+    if isinstance(tensor, core):
+        shape, dtype = tensor._shape, tensor._dtype
+        if direct and (dtype is float32 or dtype_name(dtype) == "Float32") and core.is_contiguous(tensor):
+            return shape, dtype, core._data_ptr(tensor)
+        return shape, dtype, 0
+    shape, dtype = tensor.shape, tensor.dtype   # through the wrappers: another tensor type, a HostTensor
+    if direct and is_float32(dtype) and addressable(tensor):
+        return shape, dtype, tensor._data_ptr()
+    return shape, dtype, 0
 
 
 def _direct_view(tensor, name: str):

@@ -284,6 +284,8 @@ def test_rows_of_a_value_holding_several_tensors_are_numbered_by_position():
     rows = forward.pick(((a, 7, b), (c,)))
     assert [name for name, _ in rows] == ["block.input_0", "block.input_2", "block.output"]
     assert [tensor is want for (_, tensor), want in zip(rows, (a, b, c))] == [True] * 3
+    # one level is unwrapped: a tuple holding one tuple of tensors, or one number, has no row
+    assert forward.pick((((a, b),), (7,))) == []
     backward = CellValues("", {"output_grad": None, "input_grad": None}, BACKWARD_KEYS)
     rows = backward.pick(((None, a), b))
     assert [(name, tensor is want) for (name, tensor), want in zip(rows, (b, a))] == [(".output", True),

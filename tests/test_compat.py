@@ -93,3 +93,44 @@ def test_dtype_names_remembered_by_identity_stay_right_for_fresh_objects(fresh_n
             return "mindspore.uint8"
 
     assert compat.dtype_name(Unhashable()) == "UInt8"
+
+
+def test_float32_memory_gives_what_the_public_attributes_give():
+    """Shape and dtype as the tensor gives them; the data pointer only for a contiguous float32 MindSpore
+    tensor (a Parameter too) when direct reads are asked for, 0 for anything else; an array standing for a
+    tensor (HostTensor) gives its own shape and dtype. Read from MindSpore's C++ class on 2.7 and 2.9."""
+    from mindspore._c_expression import TensorPy
+
+    from mindmon.monitors.tensor_stats import HostTensor
+    from mindmon.stats import float32_memory
+
+    assert compat.mindspore_types().core is TensorPy
+    _check_float32_memory(float32_memory)
+    if ms.__version__.startswith("2.9"):
+        assert float32_memory(ms.Tensor(np.ones(3, np.float32)), True)[2] != 0
+    assert float32_memory(HostTensor(np.zeros((2, 2), np.float32), "Float32"), True) == ((2, 2), "Float32", 0)
+
+
+def test_float32_memory_reads_the_public_attributes_where_the_cpp_class_differs(monkeypatch):
+    """Where MindSpore's C++ class does not give what `_tensor_core` checks (another MindSpore), the public
+    attributes are read, with the same answers."""
+    from mindmon.stats import float32_memory
+
+    class Other:
+        pass
+
+    monkeypatch.setattr(compat, "_MINDSPORE_TYPES", [compat.MindSporeTypes(ms.Tensor, ms.float32, Other)])
+    _check_float32_memory(float32_memory)
+
+
+def _check_float32_memory(float32_memory):
+    base = ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+    cases = [(base, True), (ms.Parameter(ms.Tensor(np.ones(5, np.float32)), name="w"), True),
+             (ms.ops.transpose(base, (1, 0)), False), (ms.Tensor(np.ones(3, np.int32)), False),
+             (ms.Tensor(np.ones(3, np.float64)), False)]
+    for tensor, addressed in cases:
+        shape, dtype, address = float32_memory(tensor, True)
+        assert (shape, dtype) == (tensor.shape, tensor.dtype)
+        # (MindSpore 2.7 gives a tensor made from numpy data pointer 0 until an op has run on it)
+        assert address == (tensor._data_ptr() if addressed else 0)
+        assert float32_memory(tensor, False) == (tensor.shape, tensor.dtype, 0)

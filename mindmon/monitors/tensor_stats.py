@@ -30,11 +30,11 @@ import math
 
 import numpy as np
 
-from ..compat import dtype_name, is_float32
+from ..compat import dtype_name
 from ..engine import Monitor
 from ..records import Record, TensorStatsRecord
 from ..one_pass import ROW_STATISTICS, prepare, reductions, reductions_at
-from ..stats import _SMALL, StepDirectViews, _direct_view, _host_array, addressable
+from ..stats import _SMALL, StepDirectViews, _direct_view, _host_array, float32_memory
 
 OPS = ("min", "max", "mean", "norm", "zeros", "nans", "id")
 
@@ -114,11 +114,11 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     elsewhere = []   # rows numpy_stats takes
     layouts = []
     for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
-        shape, dtype = tensor.shape, tensor.dtype
+        shape, dtype, address = float32_memory(tensor, direct)
         layouts.append((shape, dtype))
-        if direct and is_float32(dtype) and addressable(tensor):
-            address, size = tensor._data_ptr(), math.prod(shape)
-            if address and size:
+        if address:
+            size = math.prod(shape)
+            if size:
                 located += (index, address, size, not shape)
                 continue
         elsewhere.append(index)

@@ -15,7 +15,7 @@ import numpy as np
 from ..compat import dtype_name, is_float32
 from ..monitors.tensor_stats import HostTensor, layout
 from ..one_pass import add_at
-from ..stats import StepDirectViews, _host_array, addressable
+from ..stats import StepDirectViews, _host_array, float32_memory
 
 logger = logging.getLogger("mindmon")
 _FLOAT32 = np.dtype(np.float32)   # numpy's one float32 dtype object: compared by identity in the hook
@@ -49,8 +49,10 @@ class GradientSums:
             self._sums[index] = (name, grad if previous is None else previous[1] + grad)
 
     def _add_on_host(self, index: int, name: str, grad) -> None:
-        shape, dtype = grad.shape, grad.dtype   # as the tensor gives them: made text once, at the first micro-batch
-        float32 = is_float32(dtype)
+        direct = self.direct_views.allowed()
+        # shape and dtype as the tensor gives them: made text once, at the first micro-batch
+        shape, dtype, address = float32_memory(grad, direct)
+        float32 = bool(address) or is_float32(dtype)
         size = math.prod(shape)
         first = index not in self._sums
         if first:
@@ -59,13 +61,10 @@ class GradientSums:
             self._sums[index] = (name, HostTensor(flat.reshape(shape_ints), dtype_text))
         else:
             flat = self._buffers[index]
-        direct = self.direct_views.allowed()
         # Copied, not referenced, at the first micro-batch: the hook's buffer may be reused.
-        if (direct and float32 and flat.dtype is _FLOAT32 and 0 < size == flat.size and addressable(grad)):
-            address = grad._data_ptr()
-            if address:   # read where it lies, no array built
-                add_at(flat, address, first)
-                return
+        if address and flat.dtype is _FLOAT32 and 0 < size == flat.size:   # read where it lies, no array built
+            add_at(flat, address, first)
+            return
         if size != flat.size:
             raise ValueError(f"a gradient of {size} elements, {tuple(map(int, shape))}, for a sum of {flat.size}")
         micro = _host_array(grad, direct, dtype_name(dtype))

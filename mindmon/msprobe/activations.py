@@ -141,6 +141,11 @@ class CellValues:
         rows = []
         for place, key, spec, base in self.entries:
             value = arguments[place]
+            if spec is None:   # everything: most values are a tensor or a tuple of one, taken without a call
+                single = value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
+                if isinstance(single, tensor_type):
+                    rows.append((base, single))
+                    continue
             try:
                 chosen = select(spec, value)
             except SpecMismatch:
