@@ -11,7 +11,7 @@ _LAZY = {
     "build_callbacks": ("mindmon.factory", "build_callbacks"),
     "MonitorConfig": ("mindmon.config", "MonitorConfig"),
     "ConfigError": ("mindmon.config", "ConfigError"),
-    "parse_sections": ("mindmon.config", "parse_sections"),
+    "parse_sections": ("mindmon.features", "parse_sections"),
     "AccumulatingTrainStep": ("mindmon.step", "AccumulatingTrainStep"),
     "split_batch": ("mindmon.step", "split_batch"),
     "parameter_names": ("mindmon.names", "parameter_names"),

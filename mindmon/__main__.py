@@ -1,6 +1,6 @@
 """`python -m mindmon ...` is the `mindmon` command."""
 import sys
 
-from .cli import main
+from mindmon.cli import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@ analyser flags, mindmon's ordering (see mindmon/alerts/analyse.py and docs/alert
 import argparse
 import sys
 
-from .alerts import analyse
+from mindmon.features.alerts import analyse
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,8 @@ import sys
 
 
 def _check_config(args) -> int:
-    from .config import ConfigError, describe_error, dump_sections, load_yaml, parse_sections
+    from mindmon.config import ConfigError, describe_error, dump_sections, load_yaml
+    from mindmon.features import parse_sections
 
     try:
         config = parse_sections(load_yaml(args.file))
@@ -40,7 +41,7 @@ def _check_callback_types(config) -> None:
 
     os.environ.setdefault("LOG_MF_PATH", tempfile.mkdtemp(prefix="mindmon-check-config-"))  # its import logs
     try:
-        from .integrations.mindformers import check_callback_types
+        from mindmon.integrations.mindformers import check_callback_types
     except ImportError:
         return
     quiet = open(os.devnull, "w")   # left open: MindFormers' console handlers keep the stream they were made with
@@ -55,8 +56,8 @@ def _demo(args) -> int:
     """Train the demo; a bad configuration is one line `mindmon: <file>: <message>` and exit 1.
     An OSError counts as the configuration's only while the files are read: later ones (a full
     disk) are not the config file's fault."""
-    from .config import ConfigError
-    from .demo.train import checked_config
+    from mindmon.config import ConfigError
+    from mindmon.demo.train import checked_config
 
     output = os.path.abspath(args.output)
     config_file = args.config and os.path.abspath(args.config)
@@ -71,17 +72,17 @@ def _demo(args) -> int:
 
 
 def _demo_config_error(args, error) -> int:
-    from .config import describe_error
-    from .demo.train import default_config
+    from mindmon.config import describe_error
+    from mindmon.demo.train import default_config
 
     print(f"mindmon: {describe_error(args.config or default_config(), error)}", file=sys.stderr)
     return 1
 
 
 def _demo_multi(args, output: str, config_file) -> int:
-    from .demo.launch import launch
+    from mindmon.demo.launch import launch
 
-    from .demo.launch import lost_ranks
+    from mindmon.demo.launch import lost_ranks
 
     code = launch(args.workers, output, args.steps, config_file)
     where = (f"per-rank outputs in {output}/monitor/rank_<r>, logs in {output}/log/rank_<r>" if code == 0
@@ -96,7 +97,7 @@ def _demo_multi(args, output: str, config_file) -> int:
 def _demo_single(args, output: str, config_file) -> int:
     # MindFormers picks its log directory when it is first imported.
     os.environ.setdefault("LOG_MF_PATH", os.path.join(output, "log"))
-    from .demo.train import metrics_file, run
+    from mindmon.demo.train import metrics_file, run
 
     config = run(config_file, steps=args.steps, output=output)
     print(f"mindmon demo: trained {config['training']['steps']} steps")
@@ -109,7 +110,7 @@ def _demo_single(args, output: str, config_file) -> int:
 
 
 def _merge(args) -> int:
-    from .analysis.merge import merge
+    from mindmon.analysis.merge import merge
 
     try:
         path, flagged = merge(args.run_dir, args.output, args.factor)
@@ -124,7 +125,7 @@ def _merge(args) -> int:
 
 
 def _profile_summary(args) -> int:
-    from .analysis.profile_summary import NoProfileData, format_trace, summarize
+    from mindmon.analysis.profile_summary import NoProfileData, format_trace, summarize
 
     try:
         traces = summarize(args.dir, by=args.by)
@@ -136,7 +137,7 @@ def _profile_summary(args) -> int:
 
 
 def _report(args) -> int:
-    from .analysis.report import write_report
+    from mindmon.analysis.report import write_report
 
     output = args.output or os.path.join(args.run_dir if os.path.isdir(args.run_dir) else ".", "report.html")
     try:
@@ -148,7 +149,7 @@ def _report(args) -> int:
 
 
 def _parse_log(args) -> int:
-    from .analysis.parse_log import parse_log
+    from mindmon.analysis.parse_log import parse_log
 
     try:
         counts = parse_log(args.logfile, args.output, rank=args.rank)
@@ -163,7 +164,7 @@ def _parse_log(args) -> int:
 
 
 def _to_tensorboard(args) -> int:
-    from .analysis.to_tensorboard import convert
+    from mindmon.analysis.to_tensorboard import convert
 
     output = args.output or os.path.join(args.run_dir if os.path.isdir(args.run_dir) else ".", "tensorboard")
     try:
@@ -176,7 +177,7 @@ def _to_tensorboard(args) -> int:
 
 
 def _add_anomalies(commands) -> None:
-    from .alerts import analyse
+    from mindmon.features.alerts import analyse
 
     anomalies = commands.add_parser("anomalies", help="order the anomalies dumped by the alert rules "
                                     "(anomaly_detected/rank<r>/anomaly.json) first in time, across ranks, and "
@@ -186,7 +187,7 @@ def _add_anomalies(commands) -> None:
 
 
 def _add_csv2tensorboard(commands) -> None:
-    from .msprobe import csv2tb
+    from mindmon.msprobe import csv2tb
 
     convert = commands.add_parser("csv2tensorboard", help="TensorBoard event files from msprobe monitor CSV files "
                                   "(csv2tensorboard_by_step)")

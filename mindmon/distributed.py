@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .config import ConfigError
+from mindmon.config import ConfigError
 
 
 def _query(group: Optional[str]):

@@ -26,9 +26,9 @@ Example (a monitor of the step's wall time, and a sink that prints):
 """
 import abc
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .records import Record
+from mindmon.records import Record
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,22 @@ class SinkClosedError(RuntimeError):
 
 class Sink(abc.ABC):
     """Writes records. `open` is called once before the first write, `flush` at every step end (a
-    crash loses at most the step in flight), `close` once at train end."""
+    crash loses at most the step in flight), `close` once at train end.
+
+    Every sink keeps the same contract, enforced here for each subclass's own methods: a second
+    `close()` does nothing, and a `write()` after `close()` raises SinkClosedError (the run's files are
+    finished; nothing starts a new one)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "write" in vars(cls):
+            cls.write = _refused_after_close(cls.write)
+        if "close" in vars(cls):
+            cls.close = _closed_once(cls.close)
+
+    @property
+    def closed(self) -> bool:
+        return self.__dict__.get("_sink_closed", False)
 
     def open(self, run: RunInfo) -> None:
         pass
@@ -100,4 +115,74 @@ class Sink(abc.ABC):
         pass
 
     def close(self) -> None:
-        pass
+        self.__dict__["_sink_closed"] = True
+
+
+def _refused_after_close(write):
+    if getattr(write, "checks_closed", False):
+        return write
+
+    def checked(self, records):
+        if self.closed:
+            raise SinkClosedError(f"mindmon: {type(self).__name__}: write after close(); its output is finished")
+        return write(self, records)
+
+    checked.checks_closed = True
+    checked.__doc__, checked.__name__, checked.__qualname__ = write.__doc__, write.__name__, write.__qualname__
+    return checked
+
+
+def _closed_once(close):
+    if getattr(close, "checks_closed", False):
+        return close
+
+    def once(self):
+        if self.closed:
+            return None
+        try:
+            return close(self)
+        finally:
+            self.__dict__["_sink_closed"] = True
+
+    once.checks_closed = True
+    once.__doc__, once.__name__, once.__qualname__ = close.__doc__, close.__name__, close.__qualname__
+    return once
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One capability's registration (mindmon/features/__init__.py lists them): its configuration section
+    and how the factory builds its parts. See docs/architecture.md, "Adding a capability".
+
+    Example:
+        FEATURE = Feature("step_time", path="monitor.step_time", parse=StepTimeConfig.parse, build=build)
+    """
+
+    name: str
+    # Where its section sits: "monitor.<key>" under `monitor:`, "<key>" at the top, "callbacks" for a
+    # feature declared as a trainer callback; None when it has no section of its own.
+    path: Optional[str] = None
+    # (path, the value in the config or None when absent) -> its section: None, or an object with
+    # `active` and `to_dict()`. Raises ConfigError.
+    parse: Optional[Callable[[str, Any], Any]] = None
+    # (the raw config, the parsed MindmonConfig) -> MindmonConfig: a dialect mapped onto other sections.
+    translate: Optional[Callable[[dict, Any], Any]] = None
+    # (mindmon.factory.Build, its section) -> None: adds its monitors, sinks and actions to the build.
+    build: Optional[Callable[[Any, Any], None]] = None
+    # (the MonitorGroup, its section, the logger) -> the trainer callbacks it needs besides the group's.
+    callbacks: Optional[Callable[[Any, Any, Any], list]] = None
+
+
+class CombinedActions:
+    """Several action objects (the alert actions, the step guard) as one: each is asked every time,
+    because each may take part in a collective. An action object has `should_skip_update(grad_norm)`
+    (before the update) and `should_stop()` (after the step), asked on every rank at every step."""
+
+    def __init__(self, members: Sequence):
+        self.members = [m for m in members if m is not None]
+
+    def should_skip_update(self, grad_norm) -> bool:
+        return any([m.should_skip_update(grad_norm) for m in self.members])
+
+    def should_stop(self) -> bool:
+        return any([m.should_stop() for m in self.members])

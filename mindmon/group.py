@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .engine import Monitor, RunInfo, Sink, SinkClosedError
-from .records import Record
+from mindmon.engine import Monitor, RunInfo, Sink, SinkClosedError
+from mindmon.records import Record
 
 
 class MonitorGroup:
@@ -30,7 +30,7 @@ class MonitorGroup:
     def __init__(self, monitors: Sequence[Monitor] = (), sinks: Sequence[Sink] = (), rank: int = 0,
                  logger: Optional[logging.Logger] = None, actions=None):
         self.monitors: List[Monitor] = list(monitors)
-        self.actions = actions   # the alert sink's opt-in actions (mindmon.alerts.actions), or None
+        self.actions = actions   # the alert sink's opt-in actions (mindmon.features.alerts.actions), or None
         self.sinks: List[Sink] = list(sinks)
         self.rank = rank
         self.logger = logger or logging.getLogger("mindmon")
@@ -130,7 +130,7 @@ class MonitorGroup:
     def _step_values(self, step: int, loss, grad_norm, learning_rate) -> List[Record]:
         if loss is None and grad_norm is None and learning_rate is None:
             return []
-        from .step_values import step_value_records
+        from mindmon.step_values import step_value_records
 
         try:
             return step_value_records(step, self.rank, loss, grad_norm, learning_rate,

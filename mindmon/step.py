@@ -20,12 +20,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from mindspore import ops, value_and_grad
 
-from .compat import narrow, with_device_of
-from .config import check_max_norm
-from .distributed import DataParallel
-from .monitors import GradientSnapshot
-from .records import LOCAL_NORM
-from .stats import HostGradientBuffer, SquaredNorms, host_is_device
+from mindmon.compat import narrow, with_device_of
+from mindmon.config import check_max_norm
+from mindmon.distributed import DataParallel
+from mindmon.features.train_state.monitor import GradientSnapshot
+from mindmon.records import LOCAL_NORM
+from mindmon.kernels.stats import HostGradientBuffer, SquaredNorms, host_is_device
 
 Batch = Union[Dict[str, object], Tuple, List]
 

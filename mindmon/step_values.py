@@ -7,8 +7,8 @@ here, so both write the same records (docs/semantics.md).
 """
 from typing import List, Optional
 
-from .records import GRAD_NORM, LEARNING_RATE, LOSS, MAX_NORM, SAMPLES, Record
-from .stats import to_float
+from mindmon.records import GRAD_NORM, LEARNING_RATE, LOSS, MAX_NORM, SAMPLES, Record
+from mindmon.kernels.stats import to_float
 
 
 def step_value_records(step: int, rank: int, loss=None, grad_norm=None, learning_rate=None,

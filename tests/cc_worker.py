@@ -20,7 +20,7 @@ from mindspore import nn, ops, value_and_grad
 from mindspore.communication import get_rank, init
 
 from mindmon.msprobe import TrainerMon
-from mindmon.msprobe.collectives import CollectivesLogged
+from mindmon.features.collectives.hooks import CollectivesLogged
 
 STEPS = 2
 

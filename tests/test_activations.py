@@ -277,7 +277,7 @@ def test_rows_of_a_value_holding_several_tensors_are_numbered_by_position():
     skipped without renumbering the rest; a tuple of one tensor is the plain name; gradient rows use the
     names of the tensors they are gradients of; the root cell's name is empty."""
     import mindspore as ms
-    from mindmon.msprobe.activations import BACKWARD_KEYS, FORWARD_KEYS, CellValues
+    from mindmon.features.tensor_stats.activations import BACKWARD_KEYS, FORWARD_KEYS, CellValues
 
     a, b, c = (ms.Tensor(np.full(2, v, np.float32)) for v in (1.0, 2.0, 3.0))
     forward = CellValues("block", {"input": None, "output": None}, FORWARD_KEYS)

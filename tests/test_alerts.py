@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from mindmon.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink, delivery_note
-from mindmon.alerts.anomaly import DUMP_FIELDS
+from mindmon.features.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink, delivery_note
+from mindmon.features.alerts.anomaly import DUMP_FIELDS
 from mindmon.config import ConfigError
 from mindmon.distributed import DataParallel
 from mindmon.engine import RunInfo
@@ -157,7 +157,7 @@ def test_dump_keeps_every_statistic_and_micro_step(tmp_path):
 
 
 def test_a_crash_while_dumping_leaves_the_previous_file(tmp_path, monkeypatch, caplog):
-    import mindmon.alerts.dump as dump_module
+    import mindmon.features.alerts.dump as dump_module
 
     sink = make_sink(tmp_path, {"rules": [NAN], "dump": True})
     sink.write([Record(1, None, 0, "loss", "loss", float("nan"))])
@@ -253,7 +253,7 @@ def test_analysis_orders_first_in_time_across_ranks(tmp_path):
     assert list(_read(tmp_path / "anomaly_detected" / "anomaly_analyse.json")) == ["e", "b", "d", "c", "a"]
     from argparse import ArgumentParser
 
-    from mindmon.alerts import analyse
+    from mindmon.features.alerts import analyse
 
     parser = ArgumentParser()
     analyse.add_arguments(parser)
@@ -422,21 +422,20 @@ def train_until_stop(tmp_path, config, batches):
     sinks, stopping when the actions say so; returns (sink, steps run)."""
     from mindspore import Tensor, nn
 
-    from mindmon import AccumulatingTrainStep, MonitorConfig, split_batch
-    from mindmon.factory import build_monitors, build_sinks
+    from mindmon import AccumulatingTrainStep, parse_sections, split_batch
+    from mindmon.factory import build
     from mindmon.group import MonitorGroup
 
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
-    monitor = MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
-        "local_loss": True, "device_norm": True, "device_loss": True}})
+    monitor = parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": {
+        "local_loss": True, "device_norm": True, "device_loss": True}}})
     logger = logging.getLogger("mindmon")
-    monitors = build_monitors(monitor, None, [p.name for p in optimizer.parameters], 0, True, DataParallel(),
-                              logger, None)
+    built = build(monitor, None, [p.name for p in optimizer.parameters], 0, logger, True, DataParallel())
     actions = AlertActions.from_config(config)
     alerts = AlertSink(config, str(tmp_path), actions=actions)
     # every record the step writes reaches the alert sink, next to the usual ones
-    group = MonitorGroup(monitors, build_sinks(monitor, logger)[0] + [alerts], 0, logger, actions)
+    group = MonitorGroup(built.monitors, built.sinks + [alerts], 0, logger, actions)
     train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=0.0)
     group.setup()
     for step, (x, y) in enumerate(batches, start=1):
@@ -451,8 +450,8 @@ def train_until_stop(tmp_path, config, batches):
 def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, smtp_inbox, rng):
     from argparse import ArgumentParser
 
-    from mindmon.alerts import analyse
-    from mindmon.alerts.delivery import read_back_rows
+    from mindmon.features.alerts import analyse
+    from mindmon.features.alerts.delivery import read_back_rows
 
     x, y = regression_data(rng)
     batches = [(x, y)] * 3 + [(x * 10, y * 10)] + [(x, y)] * 2     # step 4 blows up
@@ -492,7 +491,7 @@ import mindspore as ms
 from mindspore.communication import init
 ms.set_context(device_target="CPU")
 init("mccl")
-from mindmon.alerts import AlertActions, AlertConfig, AlertSink
+from mindmon.features.alerts import AlertActions, AlertConfig, AlertSink
 from mindmon.distributed import DataParallel
 from mindmon.records import Record
 

@@ -12,7 +12,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from conftest import SMALL_MODEL, make_model, read_jsonl
-from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, compat, split_batch
+from mindmon import AccumulatingTrainStep, build_group, compat, parse_sections, split_batch
 from mindmon.demo.data import make_sequences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,9 +120,9 @@ def _monitored_step(tmp_path, on_host, monkeypatch):
     model = make_model()
     model.set_train(True)
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-3)
-    config = MonitorConfig.parse({"output_dir": str(tmp_path), "moe_monitor": {"save_tokens_per_expert_interval": 1},
+    config = parse_sections({"monitor": {"output_dir": str(tmp_path), "moe_monitor": {"save_tokens_per_expert_interval": 1},
                                   "train_state": {"local_norm": True, "local_loss": True, "device_norm": True,
-                                                  "device_loss": True}})
+                                                  "device_loss": True}}})
     group = build_group(config, model=model, parameter_names=[p.name for p in optimizer.parameters],
                          on_host=on_host)
     group.setup()

@@ -118,8 +118,8 @@ def test_wrappers_installed_and_restored_exactly_in_one_process():
 
     from mindmon.config import ConfigError
     from mindmon.group import MonitorGroup
-    from mindmon.msprobe.collectives import COMM_FUNCS, PRIMITIVES, CollectivePatch
-    from mindmon.msprobe.l2_cc_config import CcConfig
+    from mindmon.features.collectives.hooks import COMM_FUNCS, PRIMITIVES, CollectivePatch
+    from mindmon.features.l2.config import CcConfig
 
     before = {name: getattr(comm_func, name) for name in COMM_FUNCS}
     patch = CollectivePatch(MonitorGroup(), None, CcConfig(enable=True), lambda: True)

@@ -101,8 +101,8 @@ def test_float32_memory_gives_what_the_public_attributes_give():
     tensor (HostTensor) gives its own shape and dtype. Read from MindSpore's C++ class on 2.7 and 2.9."""
     from mindspore._c_expression import TensorPy
 
-    from mindmon.monitors.tensor_stats import HostTensor
-    from mindmon.stats import float32_memory
+    from mindmon.features.tensor_stats.monitor import HostTensor
+    from mindmon.kernels.stats import float32_memory
 
     assert compat.mindspore_types().core is TensorPy
     _check_float32_memory(float32_memory)
@@ -114,7 +114,7 @@ def test_float32_memory_gives_what_the_public_attributes_give():
 def test_float32_memory_reads_the_public_attributes_where_the_cpp_class_differs(monkeypatch):
     """Where MindSpore's C++ class does not give what `_tensor_core` checks (another MindSpore), the public
     attributes are read, with the same answers."""
-    from mindmon.stats import float32_memory
+    from mindmon.kernels.stats import float32_memory
 
     class Other:
         pass

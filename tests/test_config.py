@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from conftest import BAD_PROFILER_SECTIONS
-from mindmon.config import ConfigError, ConfigTypeError, ParamFilter, parse_sections
+from mindmon.config import ConfigError, ConfigTypeError, ParamFilter
+from mindmon.features import parse_sections
 
 
 def _error(raw):

@@ -15,10 +15,11 @@ from mindspore import Tensor, nn
 
 from conftest import SMALL_MODEL, make_model, trainer_config
 from mindmon import AccumulatingTrainStep, split_batch
-from mindmon.config import (MAX_TENSORBOARD_QUEUE, ConfigError, MoEMonitorConfig, parse_sections,
-                            rank_selection_warnings)
-from mindmon.monitors.moe_tokens import select_layers
-from mindmon.yaml_file import load_yaml
+from mindmon.config import MAX_TENSORBOARD_QUEUE, ConfigError
+from mindmon.features.moe_tokens.config import MoEMonitorConfig
+from mindmon.features import parse_sections, rank_selection_warnings
+from mindmon.features.moe_tokens.monitor import select_layers
+from mindmon.config import load_yaml
 from test_plain_loop import Regression, _data
 
 

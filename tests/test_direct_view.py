@@ -6,8 +6,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint
 
-from mindmon.monitors.tensor_stats import TensorStats
-from mindmon.stats import _direct_view, _host_array, direct_views_allowed
+from mindmon.features.tensor_stats.monitor import TensorStats
+from mindmon.kernels.stats import direct_view, host_array, direct_views_allowed
 
 
 def test_views_equal_asnumpy_and_views_are_taken_where_safe():
@@ -23,13 +23,13 @@ def test_views_equal_asnumpy_and_views_are_taken_where_safe():
         "empty": (ms.Tensor(np.zeros((0, 3), np.float32)), True),
     }
     for label, (tensor, direct) in cases.items():
-        view = _direct_view(tensor, str(tensor.dtype))
+        view = direct_view(tensor, str(tensor.dtype))
         assert (view is not None) == direct, label
         expected = tensor.asnumpy().reshape(-1)
-        got = _host_array(tensor, direct=True)
+        got = host_array(tensor, direct=True)
         assert got.dtype == expected.dtype and np.array_equal(got, expected), (label, got, expected)
     # The offset view starts at row 1, not at the storage's first element.
-    assert _host_array(mint.narrow(base, 0, 1, 1), direct=True)[0] == 12 - 7.5
+    assert host_array(mint.narrow(base, 0, 1, 1), direct=True)[0] == 12 - 7.5
 
 
 def test_tensor_statistics_read_through_views_when_execution_is_synchronous():
@@ -50,11 +50,11 @@ def test_tensor_statistics_read_through_views_when_execution_is_synchronous():
 
 def test_direct_only_when_asked_and_where_a_view_can_be_built():
     tensor = ms.Tensor(np.arange(6, dtype=np.float32))
-    assert _host_array(tensor, direct=True).base.owner is tensor   # the data pointer's view, holding its tensor
-    assert getattr(_host_array(tensor).base, "owner", None) is None   # default: asnumpy() waits
+    assert host_array(tensor, direct=True).base.owner is tensor   # the data pointer's view, holding its tensor
+    assert getattr(host_array(tensor).base, "owner", None) is None   # default: asnumpy() waits
     # A numpy array (the host buffer's views) is flattened as it is, whatever its shape.
     matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
-    assert _host_array(matrix).shape == (12,) and np.shares_memory(_host_array(matrix), matrix)
+    assert host_array(matrix).shape == (12,) and np.shares_memory(host_array(matrix), matrix)
 
 
 def test_direct_views_need_mindspore_2_8_and_synchronous_execution(monkeypatch):
@@ -76,14 +76,14 @@ def test_a_view_keeps_its_tensor_alive_and_bfloat16_is_copied():
 
     tensor = ms.Tensor(np.arange(3, dtype=np.float32))
     alive = weakref.ref(tensor)
-    view = _host_array(tensor, direct=True)
+    view = host_array(tensor, direct=True)
     del tensor
     gc.collect()
     assert alive() is not None and view.tolist() == [0.0, 1.0, 2.0]   # not freed under the view
     # numpy has no bfloat16: no view, a float64 copy of the exact values
     bf16 = ms.Tensor(np.array([1.5, -2.25, 3.0e38], np.float32)).astype(ms.bfloat16)
-    assert _direct_view(bf16, str(bf16.dtype)) is None
-    copy = _host_array(bf16, direct=True)
+    assert direct_view(bf16, str(bf16.dtype)) is None
+    copy = host_array(bf16, direct=True)
     assert copy.dtype == np.float64 and copy.tolist() == bf16.astype(ms.float32).asnumpy().astype(np.float64).tolist()
 
 
@@ -105,11 +105,11 @@ def test_float_tensors_are_read_at_their_address_and_everything_else_as_before(m
     """Float32 tensors go to the compiled loop by data pointer, no numpy array built, unless the sum shows
     NaN or inf (then their view is read again, with numpy's NaN rules); other dtypes, strided views and
     0-dim tensors take `numpy_stats` as before. Every case against float64 numpy."""
-    from mindmon.monitors import tensor_stats
+    from mindmon.features.tensor_stats import monitor as tensor_stats
 
     arrays = []
-    original = tensor_stats._direct_view
-    monkeypatch.setattr(tensor_stats, "_direct_view", lambda *args: arrays.append(args[1]) or original(*args))
+    original = tensor_stats.direct_view
+    monkeypatch.setattr(tensor_stats, "direct_view", lambda *args: arrays.append(args[1]) or original(*args))
     rng = np.random.default_rng(7)
     base = ms.Tensor(rng.standard_normal((6, 5000)).astype(np.float32))
     with_nan = rng.standard_normal(3000)
@@ -167,7 +167,7 @@ def test_ops_not_seen_before_get_their_codes(monkeypatch):
     """The ops -> codes table starts empty in a fresh process: ops in an order not used before get their
     codes (positions in `ROW_STATISTICS`) made, kept and read back, and the rows written with them are
     float64 numpy's."""
-    from mindmon.monitors import tensor_stats
+    from mindmon.features.tensor_stats import monitor as tensor_stats
 
     monkeypatch.setattr(tensor_stats, "_CODES", {})
     ops = ("norm", "nans", "min", "zeros")

@@ -115,7 +115,7 @@ class _ModelWithMaxLogits:
 
 
 def test_max_logits_keep_nonfinite_heads_and_skip_layers_that_ran_nothing():
-    from mindmon.monitors import MaxAttentionLogitMonitor
+    from mindmon.features.max_logits.monitor import MaxAttentionLogitMonitor
 
     model = _ModelWithMaxLogits({"a": [1.0, float("nan")], "b": [float("inf"), 2.0], "c": [-np.inf, -np.inf]})
     records = MaxAttentionLogitMonitor(model).collect(step=4)

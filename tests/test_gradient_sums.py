@@ -1,4 +1,4 @@
-"""grad_unreduced's host sums (`mindmon.msprobe.accumulate.GradientSums`): float32 gradients are added
+"""grad_unreduced's host sums (`mindmon.features.tensor_stats.accumulate.GradientSums`): float32 gradients are added
 from their data pointers when execution is synchronous, everything else through numpy; both give the
 numpy sum of the micro-batch gradients, and a gradient whose size does not match the sum is refused,
 never read past its end."""
@@ -7,9 +7,9 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from mindmon import stats
-from mindmon.msprobe.accumulate import GradientSums
-from mindmon.one_pass import add_at
+from mindmon.kernels import stats
+from mindmon.features.tensor_stats.accumulate import GradientSums
+from mindmon.kernels.one_pass import add_at
 
 
 def _sums(direct: bool) -> GradientSums:
@@ -41,8 +41,8 @@ def test_sums_equal_numpy_for_every_dtype_and_layout(rng, direct, monkeypatch):
 
     monkeypatch.setattr(accumulate, "add_at", counted_add_at)
     pointer_views = []
-    view = stats._direct_view
-    monkeypatch.setattr(stats, "_direct_view", lambda *args: (pointer_views.append(args[1]), view(*args))[1])
+    view = stats.direct_view
+    monkeypatch.setattr(stats, "direct_view", lambda *args: (pointer_views.append(args[1]), view(*args))[1])
     sums = _sums(direct)
     for micro_step in range(3):
         for index, (name, grads) in enumerate(cases.items()):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mindmon.group import MonitorGroup
-from mindmon.monitors.tensor_stats import TensorStatsMonitor
-from mindmon.sinks.csv import MsprobeCsvSink
+from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
+from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 
 TENSORS = 3000   # rows at one step end: above 700 allocations, the collector's first threshold, several times
 

@@ -6,7 +6,7 @@ import pytest
 
 import mindspore as ms
 
-from mindmon.monitors.l2_features import (ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor, attention_features_device,
+from mindmon.features.l2.monitor import (ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor, attention_features_device,
                                           attention_features_numpy, linear_features_device, linear_features_numpy,
                                           spectral_norm)
 

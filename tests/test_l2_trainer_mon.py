@@ -150,7 +150,7 @@ def test_attach_l2_features_finds_every_attention_and_linear_cell_of_the_demo_mo
     """The benchmark's entry point: every cell whose construct takes (q, k, ...) and every cell with a 2-D
     weight; the demo's attention cores take 2-D (tokens, heads x head_dim) Q and K, read as one sequence."""
     from conftest import SMALL_MODEL, make_model
-    from mindmon.msprobe.l2_hooks import attach_l2_features
+    from mindmon.features.l2.hooks import attach_l2_features
 
     model = make_model()
     model.set_train(True)
@@ -192,8 +192,8 @@ def test_a_cell_without_q_and_k_is_said_once_and_training_goes_on(tmp_path, monk
 
 
 def test_a_yaml_cell_error_names_the_full_key_path():
-    from mindmon.msprobe.config import parse_tensor_stats
-    from mindmon.msprobe.l2_hooks import select_l2_cells
+    from mindmon.features.tensor_stats.config import parse_tensor_stats
+    from mindmon.features.l2.hooks import select_l2_cells
 
     config = parse_tensor_stats({"l2_targets": {"attention_hook": ["nope"]}, "recording_l2_features": True},
                                 "monitor.tensor_stats")

@@ -7,13 +7,13 @@ printing is easy to get subtly wrong (negative increments, rounding, non-finite 
 import logging
 import os
 
-from mindmon.callbacks.profiler import ProfilerCallback, ProfileWindow
-from mindmon.config import ProfilerConfig
+from mindmon.features.profiler.callback import ProfilerCallback, ProfileWindow
+from mindmon.features.profiler.config import ProfilerConfig
 from mindmon.engine import RunInfo
 from mindmon.formats.log_lines import format_lines
 from mindmon.records import Record
 from mindmon.sinks.log import LogSink
-from mindmon.sinks.megatron_tpe import MegatronTokensPerExpertSink
+from mindmon.features.moe_tokens.sink import MegatronTokensPerExpertSink
 
 LAYER = "decoder.layers.0.self_attention.core_attention.max_logits_val"
 

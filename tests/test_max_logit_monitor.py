@@ -8,7 +8,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mindmon.monitors.max_attention_logit import MaxAttentionLogitMonitor
+from mindmon.features.max_logits.monitor import MaxAttentionLogitMonitor
 from mindmon.records import Record
 
 pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9

@@ -10,7 +10,7 @@ import pytest
 from mindspore import nn
 
 from mindmon.probes import attach_max_logit_probes, track_attention_function
-from mindmon.probes.max_logits import MaxLogitProbe
+from mindmon.features.max_logits.probe import MaxLogitProbe
 
 pytestmark = pytest.mark.ms27
 

@@ -48,7 +48,7 @@ def _run(tmp_path, interval, steps):
 
 def test_values_equal_numpy_every_step(tmp_path):
     trainer, reference, records = _run(tmp_path, interval=1, steps=2)
-    assert type(trainer.callback_handler.callbacks[-2]).__module__ == "mindmon.callbacks.max_logits"
+    assert type(trainer.callback_handler.callbacks[-2]).__module__ == "mindmon.features.max_logits.callback"
     logged = [r for r in records if r["kind"] == "max_attention_logit"]
     names = {name for (_, name) in reference}
     assert len(names) == 3  # two decoder layers and the MTP layer

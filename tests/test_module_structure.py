@@ -10,7 +10,7 @@ import pytest
 
 import activations_reference
 from activations_reference import output_root_for, run_config
-from mindmon.msprobe.structure import StopTraining
+from mindmon.features.tensor_stats.structure import StopTraining
 
 
 @pytest.fixture

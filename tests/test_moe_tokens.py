@@ -7,7 +7,8 @@ import pytest
 
 from conftest import (SMALL_MODEL, StepCounter, count_router_choices, make_data, mindformers_log, read_jsonl,
                       trainer_config)
-from mindmon.config import ConfigError, MoEMonitorConfig
+from mindmon.config import ConfigError
+from mindmon.features.moe_tokens.config import MoEMonitorConfig
 from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
 
 K, TOPK, LBS, SEQ = 4, SMALL_MODEL["moe_router_topk"], 2, SMALL_MODEL["seq_length"]
@@ -89,7 +90,7 @@ def test_int_target_counts_decoder_layers_and_warns_on_dense(tmp_path):
 
 
 def _select(model, target_layers):
-    from mindmon.monitors.moe_tokens import select_layers
+    from mindmon.features.moe_tokens.monitor import select_layers
     import logging
 
     config = MoEMonitorConfig(save_tokens_per_expert_interval=1, target_layers=target_layers)

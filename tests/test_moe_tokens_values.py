@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn
 
-from mindmon.config import ConfigError, MoEMonitorConfig
-from mindmon.monitors.moe_tokens import (MICRO_STEP_END, STEP_BEGIN, MoELayer, MoETokensMonitor,
+from mindmon.config import ConfigError
+from mindmon.features.moe_tokens.config import MoEMonitorConfig
+from mindmon.features.moe_tokens.monitor import (MICRO_STEP_END, STEP_BEGIN, MoELayer, MoETokensMonitor,
                                          decoder_layer_count, find_moe_layers, select_layers)
 from mindmon.records import Record
 

@@ -21,7 +21,7 @@ K, LBS = 4, 2
 
 
 def _parse(raw):
-    from mindmon.config import parse_sections
+    from mindmon.features import parse_sections
 
     return parse_sections(raw)
 
@@ -32,7 +32,7 @@ def test_defaults_are_mindformers_defaults():
     """Compared with MindFormers' own template classes (the installed package), not with our code's constants."""
     from mindformers.tools.register.template import MonitorConfig as Template, StableRankConfig as SRTemplate
 
-    section = _parse({"monitor_config": {}}).monitor.monitor_config
+    section = _parse({"monitor_config": {}}).monitor_config
     for key in ("monitor_on", "dump_path", "invert", "step_interval", "print_struct", "check_for_global_norm",
                 "global_norm_spike_threshold", "global_norm_spike_count_threshold", "throughput_baseline",
                 "health_checkpoint"):
@@ -64,8 +64,8 @@ def test_mapping_onto_the_engine():
     assert state.local_loss and state.device_loss and not state.device_norm.enabled
     assert state.local_norm.matches("decoder.layers.1.mlp.weight") and not state.local_norm.matches("decoder.layers.0.x")
     # no TensorBoard configured: MindFormers falls back to the log
-    assert config.monitor.monitor_config.format("local_loss") == {"log"}
-    assert config.monitor.monitor_config.tensorboard_fallback == ("local_loss_format",)
+    assert config.monitor_config.format("local_loss") == {"log"}
+    assert config.monitor_config.tensorboard_fallback == ("local_loss_format",)
     assert {"type": "MaxLogitsMonitor", "step_interval": 3} in config.callbacks
     off = _parse({"monitor_config": {"local_norm_format": "log"}})   # monitor_on False: nothing
     assert not off.monitor.train_state.active and not off.callbacks
@@ -135,7 +135,7 @@ def test_mix_with_monitor_train_state_is_refused():
     # metrics train_state does not compute combine freely with it
     config = _parse({"monitor": {"train_state": {"local_loss": True}},
                      "monitor_config": {"monitor_on": True, "weight_state_format": "log"}})
-    assert config.monitor.train_state.local_loss and config.monitor.monitor_config.format("weight_state") == {"log"}
+    assert config.monitor.train_state.local_loss and config.monitor_config.format("weight_state") == {"log"}
 
 
 def test_check_config_command(tmp_path):
@@ -157,7 +157,7 @@ def test_check_config_command(tmp_path):
 def test_power_iteration_converges_on_a_known_spectrum():
     """stable_rank_config's power_iteration_num rounds of the shared power iteration (tolerance 0: a
     fixed count, as MindFormers counts them)."""
-    from mindmon.monitors.l2_features import spectral_norm
+    from mindmon.features.l2.monitor import spectral_norm
 
     rng = np.random.default_rng(0)
     singular = np.array([10.0, 5.0, 2.0, 1.0, 0.5])
@@ -181,8 +181,8 @@ class _Weights(nn.Cell):
 
 
 def test_stable_rank_agrees_with_svd_and_warm_starts():
-    from mindmon.monitor_config.config import StableRankSection
-    from mindmon.monitor_config.monitors import StableRankMonitor
+    from mindmon.features.monitor_config.config import StableRankSection
+    from mindmon.features.monitor_config.monitors import StableRankMonitor
 
     model = _Weights(np.random.default_rng(1))
     monitor = StableRankMonitor(model, StableRankSection(formats=frozenset({"log"}), step_interval=2,
@@ -214,12 +214,12 @@ def test_log_lines_round_trip_and_parse_log(tmp_path):
     from mindmon.analysis.parse_log import LogParser
     from mindmon.formats.training_state_log import LineReader
     from mindmon.records import Record
-    from mindmon.sinks.training_state import TrainingStateLogSink
+    from mindmon.features.monitor_config.sink import TrainingStateLogSink
     from mindmon.engine import RunInfo
 
     section = _parse({"monitor_config": {"monitor_on": True, "local_norm_format": "log", "local_loss_format": "log",
                                          "weight_state_format": ["log"], "device_local_norm_format": "log"}}
-                     ).monitor.monitor_config
+                     ).monitor_config
     lines = []
     logger = logging.getLogger("test_monitor_config_lines")
     # A step's lines reach the logger as one block (one call per step): collect them line by line.
@@ -303,7 +303,7 @@ def test_scenario_step1_losses_and_norms_match_a_replay(trained):
 
 def test_scenario_weight_optimizer_and_stable_rank_at_the_last_step(trained):
     _, records, trainer, _ = trained
-    from mindmon.msprobe.targets import find_moments
+    from mindmon.features.tensor_stats.targets import find_moments
 
     weights = {p.name: p.asnumpy().astype(np.float64) for p in trainer.model.trainable_params()}
     assert _by(records, "weight_norm", 3)[(None, "global")] == pytest.approx(

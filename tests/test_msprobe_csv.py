@@ -11,7 +11,7 @@ import pytest
 from mindmon.engine import RunInfo
 from mindmon.formats import msprobe_csv as fmt
 from mindmon.records import TensorStatsRecord
-from mindmon.sinks.csv import MsprobeCsvSink
+from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 
 pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
 

@@ -347,7 +347,7 @@ def test_gradient_sums_memory_is_given_back_when_monitoring_stops(tmp_path, outp
     checked by the tests above over several steps) and released once collect_times is reached."""
     config = dict(WEIGHT_GRADIENTS, collect_times=2)
     monitor = msprobe_loop(TrainerMon, write_config(tmp_path, config), steps=1)
-    assert len(monitor._sums._buffers) == len(NAMES)   # step 0 collected, step 1 will be: one per parameter
+    assert len(monitor.hooks.gradient_sums._buffers) == len(NAMES)   # step 0 collected, step 1 will be: one per parameter
     monitor.close()
     monitor = msprobe_loop(TrainerMon, write_config(tmp_path, config), steps=2)
-    assert monitor._sums._buffers == {}                # steps 0 and 1 collected: collect_times reached
+    assert monitor.hooks.gradient_sums._buffers == {}                # steps 0 and 1 collected: collect_times reached

@@ -209,15 +209,16 @@ def test_merge_table(run):
 
 
 def test_monitor_ranks_pick_who_collects():
-    from mindmon.config import ConfigError, MonitorConfig
+    from mindmon.config import ConfigError
+    from mindmon import parse_sections
     from mindmon.factory import build_callbacks, build_group
 
-    config = MonitorConfig.parse({"ranks": [0, 2], "train_state": {"device_loss": True}})
+    config = parse_sections({"monitor": {"ranks": [0, 2], "train_state": {"device_loss": True}}})
     assert [build_group(config, rank=r).active for r in range(3)] == [True, False, True]
     assert build_callbacks(build_group(config, rank=1), config) == []
     for bad in ([], [-1], "0", [0.5]):
         with pytest.raises(ConfigError, match=r"monitor\.ranks: got .*; allowed: None \(all ranks\)"):
-            MonitorConfig.parse({"ranks": bad})
+            parse_sections({"monitor": {"ranks": bad}})
 
 
 def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog):
@@ -225,13 +226,13 @@ def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog
     and a group left to find its rank writes under it. A DataParallel of size 2 stands for an msrun rank."""
     import logging
 
-    from mindmon.config import MonitorConfig
+    from mindmon import parse_sections
     from mindmon.distributed import DataParallel
     from mindmon.factory import build_callbacks, build_group
 
     two_ranks = DataParallel()
     two_ranks.size, two_ranks.rank = 2, 1
-    config = MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {"device_loss": True}})
+    config = parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": {"device_loss": True}}})
     group = build_group(config, data_parallel=two_ranks)
     assert group.rank == 1
     with caplog.at_level(logging.INFO, logger="mindmon"):

@@ -12,9 +12,9 @@ import numba
 import numpy as np
 import pytest
 
-from mindmon.monitors.tensor_stats import numpy_stats
-from mindmon import one_pass
-from mindmon.one_pass import reductions, reductions_at
+from mindmon.features.tensor_stats.monitor import numpy_stats
+from mindmon.kernels import one_pass
+from mindmon.kernels.one_pass import reductions, reductions_at
 
 pytestmark = pytest.mark.ms27
 
@@ -202,7 +202,7 @@ def fresh_compilation(monkeypatch):
     that a patched numba does not stay in the compiled loops other tests use."""
     import importlib
 
-    from mindmon import one_pass_jit
+    from mindmon.kernels import compiled as one_pass_jit
 
     yield lambda: monkeypatch.setattr(one_pass, "_compiled_module", importlib.reload(one_pass_jit))
     monkeypatch.undo()
@@ -257,8 +257,8 @@ def test_compiles_without_a_writable_cache(monkeypatch, fresh_compilation):
 _BOTH_WAYS = """
 import json
 import numpy as np
-from mindmon.monitors.tensor_stats import numpy_stats
-from mindmon.one_pass import ROW_STATISTICS, reductions_at
+from mindmon.features.tensor_stats.monitor import numpy_stats
+from mindmon.kernels.one_pass import ROW_STATISTICS, reductions_at
 ops = ("min", "max", "mean", "norm", "zeros")
 found = []
 for size in (5000, 100_003):
@@ -328,13 +328,13 @@ def test_numba_is_loaded_when_a_host_statistics_monitor_is_built_and_not_before(
     step's gradient buffer loads them too when it is built: next test.)"""
     script = (
         "import sys\n"
-        "from mindmon.monitors.tensor_stats import TensorStatsMonitor\n"
-        "import mindmon, mindmon.monitors.train_state\n"
+        "from mindmon.features.tensor_stats.monitor import TensorStatsMonitor\n"
+        "import mindmon, mindmon.features.train_state.monitor\n"
         "assert 'numba' not in sys.modules\n"
         "TensorStatsMonitor(('min',), on_host=False)\n"
         "assert 'numba' not in sys.modules\n"
         "TensorStatsMonitor(('min',), on_host=True)\n"
-        "from mindmon import one_pass_jit as jit\n"
+        "from mindmon.kernels import compiled as jit\n"
         "assert 'numba' in sys.modules\n"
         "print('python' if not hasattr(jit.float32_at, 'signatures') else\n"
         "      (sorted(str(sig[0]) for sig in jit.array_loop.signatures), len(jit.float32_at.signatures)))\n")
@@ -382,10 +382,10 @@ def test_the_cpu_training_steps_buffer_loads_the_compiled_add_when_built():
     script = (
         "import sys, numpy as np\n"
         "from mindspore import Tensor\n"
-        "from mindmon.stats import HostGradientBuffer\n"
+        "from mindmon.kernels.stats import HostGradientBuffer\n"
         "assert 'numba' not in sys.modules\n"
         "HostGradientBuffer([Tensor(np.zeros(3, np.float32))])\n"
-        "from mindmon import one_pass_jit as jit\n"
+        "from mindmon.kernels import compiled as jit\n"
         "print('numba' in sys.modules, 'python' if not hasattr(jit.add_and_squares, 'signatures') else\n"
         "      len(jit.add_and_squares.signatures))\n")
     assert _last_line_printed(script).split() == ["True", "python" if numba.config.DISABLE_JIT else "1"]
@@ -407,7 +407,7 @@ def test_add_and_squares_against_float64_numpy():
     and reports no micro-batch norm. Small integers first, whose float32 block sums are exact in any order
     (so one element left out or counted twice shows); then normal values, to float32 rounding of each block
     (about 1e-7 compiled; about 2e-6 as plain Python under NUMBA_DISABLE_JIT=1, summed in sequence)."""
-    from mindmon.one_pass import add_and_squares
+    from mindmon.kernels.one_pass import add_and_squares
 
     rng = np.random.default_rng(8)
     for exact in (True, False):
@@ -428,7 +428,7 @@ def test_add_and_squares_against_float64_numpy():
 def test_add_at_copies_then_adds_what_lies_at_the_address():
     """A gradient hook's add from a tensor's data pointer: `first` copies, later calls add, exactly as numpy
     adds float32 (sizes across the loop's vector width); only `total.size` values are read."""
-    from mindmon.one_pass import add_at
+    from mindmon.kernels.one_pass import add_at
 
     rng = np.random.default_rng(9)
     for size in (1, 7, 8, 9, 4097, 100_003):
@@ -447,10 +447,10 @@ def test_float32_sums_take_float32_values_as_they_are():
     float32 value summed in float64 is widened. -0.0 tells which: 0 + -0.0 is 0.0."""
     from numba import types
 
-    from mindmon.one_pass_jit import _in_sums_precision_compiled
+    from mindmon.kernels.compiled import in_sums_precision_compiled
 
-    as_it_is = _in_sums_precision_compiled(types.float32, types.float32)
-    widened = _in_sums_precision_compiled(types.float64, types.float32)
+    as_it_is = in_sums_precision_compiled(types.float32, types.float32)
+    widened = in_sums_precision_compiled(types.float64, types.float32)
     assert repr(float(as_it_is(np.float32(0), np.float32(-0.0)))) == "-0.0"
     result = widened(0.0, np.float32(-0.0))
     assert repr(result) == "0.0" and isinstance(result, float)

@@ -6,8 +6,8 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
 from conftest import read_jsonl
-from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, split_batch
-from mindmon.stats import SquaredNorms
+from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
+from mindmon.kernels.stats import SquaredNorms
 from scripts.plain_loop_job import Regression
 
 pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
@@ -22,8 +22,8 @@ def _data(rng, n=8):
 def test_readme_loop_matches_numpy(tmp_path, rng):
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
-    group = build_group(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {
-        "local_norm": True, "local_loss": True, "device_norm": "weight", "device_loss": True}}),
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": {
+        "local_norm": True, "local_loss": True, "device_norm": "weight", "device_loss": True}}}),
         parameter_names=[p.name for p in optimizer.parameters])
     train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=4, group=group, max_norm=0.0)
     group.setup()
@@ -98,7 +98,7 @@ class _Exploding:
 def test_a_failing_monitor_is_dropped_and_training_goes_on(tmp_path, rng, caplog):
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
-    group = build_group(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {"device_loss": True}}))
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": {"device_loss": True}}}))
     exploding = _Exploding()
     group.monitors.append(exploding)
     train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group)

@@ -7,7 +7,7 @@ import pytest
 from mindspore import nn
 
 from mindmon.probes import attach_tokens_per_expert_probes
-from mindmon.probes._select import named_cells
+from mindmon.cells import named_cells
 
 pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9
 

@@ -22,8 +22,9 @@ import pytest
 
 from conftest import BAD_PROFILER_SECTIONS, make_data, make_model, mindformers_log, trainer_config
 
-from mindmon.callbacks.profiler import ProfilerCallback, ProfileWindow
-from mindmon.config import ConfigError, ProfilerConfig, load_yaml
+from mindmon.features.profiler.callback import ProfilerCallback, ProfileWindow
+from mindmon.config import ConfigError, load_yaml
+from mindmon.features.profiler.config import ProfilerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIMIZER_OP = "Addcmul"  # AdamW's moment update: runs only in the optimizer step, a fixed number of times per step

@@ -1,4 +1,4 @@
-"""Squared norms (mindmon.stats) at the sizes and dtypes real parameters have, against float64 numpy.
+"""Squared norms (mindmon.kernels.stats) at the sizes and dtypes real parameters have, against float64 numpy.
 
 The host path sums float32 arrays of more than 4096 elements in BLAS blocks of 65536 elements, so
 the element counts sit on each side of both boundaries; a few million stands for a real weight
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from mindmon.stats import SquaredNorms, host_is_device, to_float
+from mindmon.kernels.stats import SquaredNorms, host_is_device, to_float
 
 pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)
 
@@ -149,7 +149,7 @@ def test_host_buffer_norms_taken_while_adding():
     million elements, and one parameter that is a scalar, against float64 numpy of the same values.
     Tolerances: float32 sums of 4096-element blocks (about 1e-7 compiled, where they use vector lanes;
     about 1e-6 as plain Python under NUMBA_DISABLE_JIT=1, summed one element after another)."""
-    from mindmon.stats import HostGradientBuffer
+    from mindmon.kernels.stats import HostGradientBuffer
 
     rng = np.random.default_rng(11)
     shapes = [(n,) for n in BOUNDARY_SIZES] + [(1000, LARGE_SIZE // 1000 + 1), (), (3, 4)]
@@ -174,7 +174,7 @@ def test_host_buffer_norms_taken_while_adding():
 
 
 def test_host_buffer_only_for_float32_parameters():
-    from mindmon.stats import HostGradientBuffer
+    from mindmon.kernels.stats import HostGradientBuffer
 
     float32, float16 = Tensor(np.zeros(3, np.float32)), Tensor(np.zeros(3, np.float16))
     assert HostGradientBuffer.fits([float32, float32]) is True
@@ -187,7 +187,7 @@ def test_host_buffer_only_for_float32_parameters():
 def test_host_buffer_sums_small_parameters_in_float64(size):
     """Up to 4096 elements the buffer's norms are float64 sums of the float32 values (relative error
     ~1e-16), not float32 BLAS blocks (~1e-7 here): the same rule as SquaredNorms."""
-    from mindmon.stats import HostGradientBuffer
+    from mindmon.kernels.stats import HostGradientBuffer
 
     rng = np.random.default_rng(size)
     grads = [[Tensor(rng.normal(size=size).astype(np.float32))] for _ in range(2)]

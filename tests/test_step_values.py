@@ -9,7 +9,7 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
 from conftest import read_jsonl, train, trainer_config
-from mindmon import AccumulatingTrainStep, MonitorConfig, build_group, parameter_names, split_batch
+from mindmon import AccumulatingTrainStep, build_group, parameter_names, parse_sections, split_batch
 from mindmon.analysis.report import THRESHOLD_LABEL, loss_plot
 from mindmon.formats.jsonl import read_records
 from scripts.plain_loop_job import Regression
@@ -37,7 +37,7 @@ def numpy_step(w, b, x, y, micro_steps):
 def test_flush_writes_the_step_values_and_max_norm_only_when_clipping(tmp_path, rng, max_norm):
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1)
-    group = build_group(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {"device_loss": True}}),
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": {"device_loss": True}}}),
                         parameter_names=parameter_names(net, optimizer))
     train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group, max_norm=max_norm)
     group.setup(max_steps=3, global_batch_size=8)
@@ -68,7 +68,7 @@ def test_flush_writes_the_step_values_and_max_norm_only_when_clipping(tmp_path, 
 
 
 def test_a_step_value_that_is_not_a_number_is_logged_once_and_the_step_is_written(tmp_path, caplog):
-    group = build_group(MonitorConfig.parse({"output_dir": str(tmp_path), "train_state": {"device_loss": True}}))
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "train_state": {"device_loss": True}}}))
     group.setup()
     with caplog.at_level(logging.ERROR, logger="mindmon"):
         for step in (1, 2):

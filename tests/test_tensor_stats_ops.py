@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mindmon.monitors.tensor_stats import OPS, numpy_stats
+from mindmon.features.tensor_stats.monitor import OPS, numpy_stats
 
 pytestmark = pytest.mark.ms27
 
@@ -89,7 +89,7 @@ def test_device_path_op_by_op(with_nan, ops):
     """The device path (statistics reduced by MindSpore, read later) gives the same numbers, each op alone."""
     import mindspore as ms
 
-    from mindmon.monitors.tensor_stats import device_stats
+    from mindmon.features.tensor_stats.monitor import device_stats
 
     data = sample(100, with_nan)
     got = device_stats(ms.Tensor(data), ops, EPS).asnumpy().tolist()
@@ -105,7 +105,7 @@ def test_device_path_of_a_scalar():
     """A 0-dim tensor: one element, so `zeros` is 0 or 1, and `id` is its value."""
     import mindspore as ms
 
-    from mindmon.monitors.tensor_stats import device_stats
+    from mindmon.features.tensor_stats.monitor import device_stats
 
     got = device_stats(ms.Tensor(np.float32(0.25)), ("zeros", "id", "mean"), EPS).asnumpy().tolist()
     assert got == [1.0, 0.25, 0.25]
@@ -116,13 +116,13 @@ def test_no_direct_view_where_it_is_not_allowed(monkeypatch):
     pointer view, whatever else TensorStats knows about them."""
     import mindspore as ms
 
-    from mindmon import stats
-    from mindmon.monitors.tensor_stats import TensorStats
+    from mindmon.kernels import stats
+    from mindmon.features.tensor_stats.monitor import TensorStats
 
     monkeypatch.setattr(stats, "direct_views_allowed", lambda: False)
     views = []
-    original = stats._direct_view
-    monkeypatch.setattr(stats, "_direct_view", lambda *args: views.append(args) or original(*args))
+    original = stats.direct_view
+    monkeypatch.setattr(stats, "direct_view", lambda *args: views.append(args) or original(*args))
     collected = TensorStats(("max", "min"), EPS, on_host=True)
     collected.add("actv", [("x", ms.Tensor(np.arange(3, dtype=np.float32)) * 2)])
     assert views == [] and collected.results()[0][4].tolist() == [[4.0, 0.0]]
@@ -133,7 +133,7 @@ def test_monitor_keeps_its_rank_and_the_path_asked_for():
     monitor asked for the device path keeps it (same numbers, read once at collect)."""
     import mindspore as ms
 
-    from mindmon.monitors.tensor_stats import TensorStatsMonitor
+    from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
 
     assert TensorStatsMonitor(("max",)).stats.on_host is True
     assert TensorStatsMonitor(("max",), on_host=False).stats.on_host is False
@@ -149,7 +149,7 @@ def test_rows_keep_the_ops_they_were_taken_with(on_host):
     values, the later ones get the new ops; on the device path both reach the host in one transfer."""
     import mindspore as ms
 
-    from mindmon.monitors.tensor_stats import TensorStatsMonitor
+    from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
 
     monitor = TensorStatsMonitor(("min", "max", "norm"), on_host=on_host)
     data = np.array([3.0, -4.0], np.float32)
@@ -166,7 +166,7 @@ def test_device_rows_reach_the_host_as_float64_arrays():
     rows in its own array (values chosen exact in float32, so float64 numpy's are the same)."""
     import mindspore as ms
 
-    from mindmon.monitors.tensor_stats import TensorStats
+    from mindmon.features.tensor_stats.monitor import TensorStats
 
     stats = TensorStats(("max", "mean"), EPS, on_host=False)
     data = np.array([1.5, -2.0, 4.0, 0.5], np.float32)

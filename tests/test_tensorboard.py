@@ -128,7 +128,8 @@ def test_log_interval_and_queue(tmp_path):
     ({"tensorboard_dir": "x", "log_dir": "y"}, "monitor.tensorboard", "tensorboard_log_interval"),
 ])
 def test_bad_tensorboard_section(section, key, message):
-    from mindmon.config import ConfigError, parse_sections
+    from mindmon.config import ConfigError
+    from mindmon.features import parse_sections
 
     with pytest.raises(ConfigError) as info:
         parse_sections({"monitor": {"tensorboard": section}})
@@ -136,7 +137,7 @@ def test_bad_tensorboard_section(section, key, message):
 
 
 def test_tensorboard_section_parsed_and_passed_to_mindformers():
-    from mindmon.config import parse_sections
+    from mindmon.features import parse_sections
     from mindmon.integrations.mindformers import stock_sections
 
     section = {"tensorboard_dir": "./tb", "tensorboard_log_interval": 5}

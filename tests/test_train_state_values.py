@@ -214,9 +214,9 @@ def test_a_filter_that_matches_nothing_is_refused_before_step_1(tmp_path, switch
 def test_monitor_alone_writes_only_what_was_recorded_and_forgets_it_at_collect():
     """The monitor outside the loop: a step with no device loss or device gradient recorded writes
     neither; after collect nothing of the step is left for the next one."""
-    from mindmon.config import TrainStateConfig
-    from mindmon.monitors import GradientSnapshot
-    from mindmon.monitors.train_state import TrainStateMonitor
+    from mindmon.features.train_state.config import TrainStateConfig
+    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": True, "local_loss": True,
                                                             "device_norm": True, "device_loss": True})
@@ -240,9 +240,9 @@ def test_monitor_alone_writes_only_what_was_recorded_and_forgets_it_at_collect()
 def test_device_norm_of_the_reduced_gradient_when_one_is_given():
     """With several ranks the loop hands the data-parallel mean to `device_norm`: its norm is written,
     not this rank's accumulated one; local norms stay this rank's own. Filters pick the names."""
-    from mindmon.config import TrainStateConfig
-    from mindmon.monitors import GradientSnapshot
-    from mindmon.monitors.train_state import TrainStateMonitor
+    from mindmon.features.train_state.config import TrainStateConfig
+    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": "a", "device_norm": "b"})
     monitor = TrainStateMonitor(config, ["a", "skipped", "b"], on_host=False)   # rank 0 by default
@@ -260,10 +260,10 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
 
 def test_a_given_way_of_taking_norms_is_the_one_used():
     """`norms=` swaps in another SquaredNorms (the overhead benchmark does): the monitor must use it."""
-    from mindmon.config import TrainStateConfig
-    from mindmon.monitors import GradientSnapshot
-    from mindmon.monitors.train_state import TrainStateMonitor
-    from mindmon.stats import SquaredNorms
+    from mindmon.features.train_state.config import TrainStateConfig
+    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.features.train_state.monitor import TrainStateMonitor
+    from mindmon.kernels.stats import SquaredNorms
 
     class QuadrupledNorms(SquaredNorms):
         def results(self):

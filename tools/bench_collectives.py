@@ -35,7 +35,7 @@ RESULT_MARK = "BENCH_CC_RESULT "
 def _timed_collective_calls(timer) -> None:
     """Adds the time spent in mindmon's collective wrapper, minus the collective itself, to `timer`
     (bench-only instrumentation of CollectivePatch.call)."""
-    from mindmon.msprobe.collectives import CollectivePatch
+    from mindmon.features.collectives.hooks import CollectivePatch
 
     original = CollectivePatch.call
 

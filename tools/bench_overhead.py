@@ -301,7 +301,7 @@ class HookTimer:
     def instrument_cells(self) -> None:
         """The cell hooks of activation monitoring are made by ActivationHooks when TrainerMon attaches;
         this bench process times every one it makes (only the activations configuration makes any)."""
-        from mindmon.msprobe.activations import ActivationHooks
+        from mindmon.features.tensor_stats.activations import ActivationHooks
 
         for factory in ("_forward_hook", "_backward_hook"):
             make = getattr(ActivationHooks, factory)
@@ -546,7 +546,7 @@ def measure_norms_in_add(config: Configuration, repeats: int = 7) -> Optional[di
     gradients (captured from a step of `config`) without and with the norms, the two taking turns,
     fastest of `repeats` each. The main table's `add` is a difference of two medians of whole steps'
     adds (about 70 ms each, with a spread of 10-20 ms); this one adds the same arrays every time."""
-    from mindmon.stats import HostGradientBuffer
+    from mindmon.kernels.stats import HostGradientBuffer
 
     host = config.train_step._host
     if host is None:

@@ -5,7 +5,7 @@ mutant on loaded cores, hours for a module. mutmut's trampoline reads MUTANT_UND
 so one process can run the tests of many mutants in turn, paying the import once:
 
     cd $MUTATION_DIR/mutants && MINDMON_AUTOLOAD=0 python /path/to/tools/mutation_inprocess.py \\
-        mindmon.stats verdicts.json [--status None,0,33] [--extra FUNCTION=TEST ...]
+        mindmon.kernels.stats verdicts.json [--status None,0,33] [--extra FUNCTION=TEST ...]
 
 For every mutant of the module whose mutmut exit code is in --status (default: not run yet, survived,
 no tests), or named in --names FILE (one a line), it runs `pytest -x` on the tests mutmut mapped to

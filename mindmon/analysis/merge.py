@@ -22,8 +22,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..records import LOCAL_LOSS, MICRO_NORM
-from ..formats.jsonl import metrics_files, read_records
+from mindmon.records import LOCAL_LOSS, MICRO_NORM
+from mindmon.formats.jsonl import metrics_files, read_records
 
 PER_RANK_KINDS = (LOCAL_LOSS, MICRO_NORM)
 COLUMNS = ["kind", "name", "step", "micro_step", "ranks", "min", "max", "mean", "max_rank", "outlier_rank"]

@@ -17,12 +17,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..engine import RunInfo
-from ..formats import log_lines, megatron_tpe, training_state_log
-from ..formats.layout import rank_in_path
-from ..records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+from mindmon.engine import RunInfo
+from mindmon.formats import log_lines, megatron_tpe, training_state_log
+from mindmon.formats.layout import rank_in_path
+from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                        MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
-from ..sinks.jsonl import JsonlSink
+from mindmon.sinks.jsonl import JsonlSink
 
 BATCH_LINE = re.compile(r"global_batch_size=(?P<gbs>\d+), num_accumulation_steps=\d+")
 # A line that mentions a monitor key but matched no format: cut short, or a format this version

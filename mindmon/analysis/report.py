@@ -19,10 +19,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                       MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
-from ..formats.jsonl import metrics_files, read_records
-from .to_tensorboard import run_shape
+from mindmon.formats.jsonl import metrics_files, read_records
+from mindmon.analysis.to_tensorboard import run_shape
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
@@ -41,7 +41,7 @@ def parameter_group(name: str) -> str:
 
 
 def _figure(rows: int = 1, cols: int = 1, width: float = 10, height: float = 3.6):
-    from ..extras import require
+    from mindmon.extras import require
 
     matplotlib = require("report", "matplotlib")
 

@@ -8,10 +8,10 @@ import sys
 from itertools import groupby
 from typing import List, Tuple
 
-from ..records import SAMPLES, Record
-from ..formats.jsonl import metrics_files, read_records
-from ..engine import RunInfo
-from ..sinks.tensorboard import TensorBoardSink
+from mindmon.records import SAMPLES, Record
+from mindmon.formats.jsonl import metrics_files, read_records
+from mindmon.engine import RunInfo
+from mindmon.sinks.tensorboard import TensorBoardSink
 
 
 def run_shape(records: List[Record]) -> Tuple[int, int]:

@@ -3,9 +3,9 @@
 They live in `mindmon.callbacks`, not in a top-level `callbacks` package, because many training
 repositories have a `callbacks.py` of their own next to the launch script, which would shadow it.
 """
-from .base import TrainerCallback
-from .max_logits import MaxLogitsMonitor
-from .monitor_callback import MonitorCallback
-from .profiler import ProfilerCallback
+from mindmon.callbacks.base import TrainerCallback
+from mindmon.features.max_logits.callback import MaxLogitsMonitor
+from mindmon.callbacks.monitor_callback import MonitorCallback
+from mindmon.features.profiler.callback import ProfilerCallback
 
 __all__ = ["MaxLogitsMonitor", "MonitorCallback", "ProfilerCallback", "TrainerCallback"]

@@ -1,5 +1,5 @@
 """MonitorCallback: flushes the MonitorGroup at every step end."""
-from .base import TrainerCallback
+from mindmon.callbacks.base import TrainerCallback
 
 
 class MonitorCallback(TrainerCallback):

@@ -18,7 +18,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-from ..compat import narrow, split
+from mindmon.compat import narrow, split
 
 _MASKED = -1e9
 

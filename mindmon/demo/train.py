@@ -11,8 +11,9 @@ from typing import Optional
 
 import yaml
 
-from ..config import DEFAULT_OUTPUT_DIR, ConfigError, _describe, _is_int, parse_sections, rank_selection_warnings
-from ..yaml_file import read_yaml
+from mindmon.config import DEFAULT_OUTPUT_DIR, ConfigError, describe, is_int
+from mindmon.features import parse_sections, rank_selection_warnings
+from mindmon.config import read_yaml
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,12 +84,12 @@ def _check_demo_sections(config: dict, steps: Optional[int]) -> None:
         raise ConfigError(f"--steps: got {steps}; allowed: a positive int")
     for section in ("training", "model"):
         if not isinstance(config.get(section), dict):
-            raise ConfigError(f"{section}: got {_describe(config.get(section))}; allowed: a mapping (the demo needs one)")
+            raise ConfigError(f"{section}: got {describe(config.get(section))}; allowed: a mapping (the demo needs one)")
     for key, least in _DEMO_SIZES.items():
         section, name = key.split(".")
         value = config[section].get(name)
-        if value is not None and (not _is_int(value) or value < least):
-            raise ConfigError(f"{key}: got {_describe(value)}; allowed: an int >= {least}")
+        if value is not None and (not is_int(value) or value < least):
+            raise ConfigError(f"{key}: got {describe(value)}; allowed: an int >= {least}")
 
 
 def metrics_file(config: dict, rank: int) -> str:
@@ -116,8 +117,8 @@ def run(config_path: Optional[str] = None, steps: Optional[int] = None, output: 
     rank, world = _join_process_group()
     from mindformers.pynative.trainer import Trainer
 
-    from .data import make_dataset
-    from .model import DemoModelConfig, DemoMoEGPT
+    from mindmon.demo.data import make_dataset
+    from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
 
     config = checked_config(config_path, steps, output)
     for warning in rank_selection_warnings(parse_sections(config), world):

@@ -22,8 +22,8 @@ import os
 import sys
 from typing import List, Tuple
 
-from ..records import Record, TensorStatsRecord
-from .layout import rank_dir, rank_in_path
+from mindmon.records import Record, TensorStatsRecord
+from mindmon.formats.layout import rank_dir, rank_in_path
 
 METRICS_FILE = "metrics.jsonl"
 

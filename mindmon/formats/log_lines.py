@@ -25,9 +25,9 @@ import re
 from itertools import groupby
 from typing import List, Optional
 
-from ..records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT,
+from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT,
                        MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, TOKENS_PER_EXPERT, Record)
-from .megatron_tpe import layer_fields
+from mindmon.formats.megatron_tpe import layer_fields
 
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|NaN|inf|Infinity)"
 MAX_LOGIT_SUMMARY_NAMES = {MAX_ATTENTION_LOGIT_MEAN: "mean", MAX_ATTENTION_LOGIT_MAX: "max"}

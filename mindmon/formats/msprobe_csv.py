@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..records import TensorStatsRecord
+from mindmon.records import TensorStatsRecord
 
 OUTPUT_DIR_ENV = "MONITOR_OUTPUT_DIR"
 DEFAULT_OUTPUT_ROOT = "./monitor_output"

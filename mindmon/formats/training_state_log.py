@@ -17,9 +17,9 @@ plots something else: the micro-batch loss as `local_lm_loss`).
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
+from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
                        MAX_ATTENTION_LOGIT_MEAN, Record)
-from .log_lines import NUMBER
+from mindmon.formats.log_lines import NUMBER
 
 LOSS_TAG = "lm"   # MindFormers' tag of the language-model loss
 LOG_KIND_TAGS = {LOCAL_LOSS: f"micro_local_{LOSS_TAG}_loss", DEVICE_LOSS: f"device_accum_local_{LOSS_TAG}_loss",

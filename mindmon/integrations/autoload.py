@@ -39,7 +39,7 @@ class _TrainerImportHook(importlib.abc.MetaPathFinder):
 
 
 def _attach() -> None:
-    from . import mindformers
+    from mindmon.integrations import mindformers
 
     try:
         mindformers.enable()

@@ -19,11 +19,13 @@ import inspect
 import os
 from types import SimpleNamespace
 
-from ..callbacks import MaxLogitsMonitor
-from ..config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml, parse_sections
-from ..distributed import DataParallel
-from ..factory import MAX_LOGITS_CALLBACK, build_callbacks, build_group
-from ..step import AccumulatingTrainStep, split_batch
+from mindmon.callbacks import MaxLogitsMonitor
+from mindmon.config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml
+from mindmon.features import parse_sections
+from mindmon.distributed import DataParallel
+from mindmon.factory import build, build_callbacks, group_of
+from mindmon.features.max_logits import MAX_LOGITS_CALLBACK
+from mindmon.step import AccumulatingTrainStep, split_batch
 
 SUPPORTED_VERSIONS = ("1.9.",)
 _NEEDED = ("__init__", "training_step", "compute_loss", "_inner_train_loop", "_create_callback_handler",
@@ -184,26 +186,25 @@ def _attach(trainer, config: MindmonConfig) -> None:
     config = _with_max_logits(trainer, config, logger)
     names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
     reduction = DataParallel(config.monitor.data_parallel_group)
-    group = build_group(config, model=trainer.model, parameter_names=names, rank=_rank(), logger=logger,
-                        data_parallel=reduction, optimizer=trainer.optimizer,
-                        global_batch_size=training.global_batch_size)
+    built = build(config, model=trainer.model, parameter_names=names, rank=_rank(), logger=logger,
+                  data_parallel=reduction, optimizer=trainer.optimizer, global_batch_size=training.global_batch_size)
+    group = group_of(built)
     for callback in build_callbacks(group, config):
         trainer.callback_handler.add_callback(callback)
-    _feed_tensor_stats(trainer, config, group)
+    _attach_tensor_stats(trainer, built.parts.get("tensor_stats"), group)
     trainer._mindmon = SimpleNamespace(config=config, group=group, data_parallel=reduction, train_step=None)
 
 
-def _feed_tensor_stats(trainer, config: MindmonConfig, group) -> None:
+def _attach_tensor_stats(trainer, make_hooks, group) -> None:
     """`monitor.tensor_stats`: msprobe's parameter, gradient and optimizer-state hooks on this trainer's
-    model and optimizer, recording into the run's group (the gradients reach the optimizer as its
-    call's argument, which is where `grad_reduced` is read)."""
-    from ..monitors.tensor_stats import TensorStatsMonitor
-    from ..msprobe import TrainerMon
+    model and optimizer, recording into the run's group, which the trainer flushes (the gradients reach
+    the optimizer as its call's argument, which is where `grad_reduced` is read)."""
+    from mindmon.features.tensor_stats.hooks import attachment
 
-    if not any(isinstance(m, TensorStatsMonitor) for m in group.monitors) or trainer.optimizer is None:
+    if make_hooks is None or trainer.optimizer is None:
         return
-    feeder = TrainerMon.feeding(config.monitor.tensor_stats, group, params_have_main_grad=False)
-    feeder.set_monitor(trainer.model, trainer.num_accumulation_steps, trainer.optimizer)
+    hooks = make_hooks(params_have_main_grad=False, recorder=group)
+    hooks.attach(attachment(trainer.model, trainer.num_accumulation_steps, trainer.optimizer))
 
 
 def _check_batch_size(dataset, per_step: int, local_batch_size: int) -> None:

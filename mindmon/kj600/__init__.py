@@ -7,6 +7,6 @@
 
 TensorBoard event files go to `$KJ600_OUTPUT_DIR` (default ./kj600_output); see docs/activations.md.
 """
-from .module_hook import TrainerMon
+from mindmon.kj600.module_hook import TrainerMon
 
 __all__ = ["TrainerMon"]

@@ -20,10 +20,11 @@ import uuid
 import warnings
 from datetime import datetime
 
-from ..config import ConfigError
-from ..msprobe.config import RUN_FOLDER_TIME_FORMAT, parse_tensor_stats, read_config_json
-from ..msprobe.trainer_mon import TrainerMon as MsprobeTrainerMon
-from ..sinks.tensorboard import TensorBoardSink
+from mindmon.config import ConfigError
+from mindmon.features.tensor_stats.config import RUN_FOLDER_TIME_FORMAT, parse_tensor_stats, read_config_json
+from mindmon.distributed import DataParallel
+from mindmon.msprobe.trainer_mon import TrainerMon as MsprobeTrainerMon
+from mindmon.sinks.tensorboard import TensorBoardSink
 
 logger = logging.getLogger("mindmon")
 
@@ -56,10 +57,12 @@ class TrainerMon(MsprobeTrainerMon):
         if opt_ty is not None:
             logger.info("mindmon: kj600 TrainerMon(opt_ty=%r) is ignored: the optimizer's Adam moments are found on "
                         "the optimizer itself", opt_ty)
-        self._setup(load_kj600_config(config_file_path), [])
-        self.config_path = config_file_path
-        self.process_group = process_group
-        self.params_have_main_grad = params_have_main_grad
+        rank = DataParallel().rank
+        stamp = datetime.now().strftime(RUN_FOLDER_TIME_FORMAT)
+        sink = TensorBoardSink(os.path.join(output_dir(), f"{stamp}-rank{rank}-{uuid.uuid4().hex[:8]}"))
+        super().__init__(config_file_path, process_group, params_have_main_grad,
+                         config=load_kj600_config(config_file_path), sink=sink,
+                         run_folder=lambda: sink.tensorboard_dir)
 
     @classmethod
     def set_wrapped_optimizer(cls, optimizer) -> None:
@@ -75,19 +78,12 @@ class TrainerMon(MsprobeTrainerMon):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             self.set_monitor(model, grad_acc_steps, optimizer)
-        if self._activations is not None:
-            logger.info("> %d out of %d modules are monitored.", self._hooked_cells,
+        if self.hooks is not None and self.hooks.activations is not None:
+            logger.info("> %d out of %d modules are monitored.", self.hooks.hooked_cells,
                         len(list(model.cells_and_names())))
-
-    def _make_sink(self):
-        stamp = datetime.now().strftime(RUN_FOLDER_TIME_FORMAT)
-        sink = TensorBoardSink(os.path.join(output_dir(), f"{stamp}-rank{self.rank}-{uuid.uuid4().hex[:8]}"))
-        sink.folder = sink.tensorboard_dir
-        return sink
 
     def close(self) -> None:
         """Writes the step in flight (without an optimizer its end is only known here), then detaches."""
-        pending = getattr(self, "_micro_steps", None) is not None and self._micro_steps.forwards
-        if pending and getattr(self, "_optimizer", None) is None:
-            self._after_update(None, (), None)
+        if self.hooks is not None:
+            self.hooks.end_pending_step()
         super().close()

@@ -1,9 +1,9 @@
 """msprobe's training-state monitor API, on mindmon: change `from msprobe.mindspore import TrainerMon`
 to `from mindmon.msprobe import TrainerMon` and keep the config.json (see docs/msprobe.md)."""
-from .config import TensorStatsConfig, load_config_json, parse_tensor_stats
-from .csv2tb import csv2tensorboard_by_step
-from .structure import StopTraining
-from .trainer_mon import TrainerMon
+from mindmon.features.tensor_stats.config import TensorStatsConfig, load_config_json, parse_tensor_stats
+from mindmon.features.tensor_stats.structure import StopTraining
+from mindmon.msprobe.csv2tb import csv2tensorboard_by_step
+from mindmon.msprobe.trainer_mon import TrainerMon
 
 __all__ = ["StopTraining", "TensorStatsConfig", "TrainerMon", "csv2tensorboard_by_step", "load_config_json",
            "parse_tensor_stats"]

@@ -21,7 +21,7 @@ from datetime import datetime
 from itertools import groupby
 from typing import List, Optional, Sequence, Tuple
 
-from ..formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT, read_csv
+from mindmon.formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT, read_csv
 
 DATA_TYPES = ("actv", "actv_grad", "exp_avg", "exp_avg_sq", "grad_unreduced", "grad_reduced", "param_origin",
               "param_updated")
@@ -49,8 +49,8 @@ def _stamp(value: str, name: str) -> datetime:
 
 def convert_folder(rank: int, folder: str, data_types: Sequence[str], output_dirpath: str) -> str:
     """One run folder's CSV files of `data_types` into `<output_dirpath>/rank_<rank>/`; returns that path."""
-    from ..engine import RunInfo
-    from ..sinks.tensorboard import TensorBoardSink
+    from mindmon.engine import RunInfo
+    from mindmon.sinks.tensorboard import TensorBoardSink
 
     records = []
     for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):

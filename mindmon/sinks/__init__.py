@@ -1,6 +1,6 @@
 """Where records go: log lines in the documented formats, and a lossless per-rank JSONL file."""
-from .jsonl import JsonlSink
-from .log import LogSink
-from .megatron_tpe import MegatronTokensPerExpertSink
+from mindmon.sinks.jsonl import JsonlSink
+from mindmon.sinks.log import LogSink
+from mindmon.features.moe_tokens.sink import MegatronTokensPerExpertSink
 
 __all__ = ["JsonlSink", "LogSink", "MegatronTokensPerExpertSink"]

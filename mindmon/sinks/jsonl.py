@@ -2,12 +2,12 @@
 import os
 from typing import List, Sequence
 
-from ..config import ConfigError
-from ..engine import RunInfo
-from ..formats import jsonl
-from ..formats.layout import RunLock
-from ..records import Record
-from .lines import LinesFileSink
+from mindmon.config import ConfigError
+from mindmon.engine import RunInfo
+from mindmon.formats import jsonl
+from mindmon.formats.layout import RunLock
+from mindmon.records import Record
+from mindmon.sinks.lines import LinesFileSink
 
 
 class JsonlSink(LinesFileSink):

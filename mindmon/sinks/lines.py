@@ -3,9 +3,9 @@ import abc
 import os
 from typing import List, Optional, Sequence
 
-from ..config import ConfigError
-from ..engine import RunInfo, Sink, SinkClosedError
-from ..records import Record
+from mindmon.config import ConfigError
+from mindmon.engine import RunInfo, Sink
+from mindmon.records import Record
 
 
 def unwritable(config_key: str, configured: str, path: str, error: Exception) -> ConfigError:
@@ -28,7 +28,6 @@ class LinesFileSink(Sink):
         self.config_key = config_key
         self.path: Optional[str] = None
         self._file = None
-        self._closed = False
 
     @abc.abstractmethod
     def file_path(self, rank: int) -> str:
@@ -47,8 +46,6 @@ class LinesFileSink(Sink):
             raise unwritable(self.config_key, self.output_dir, self.path, error) from None
 
     def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise SinkClosedError(f"mindmon: {type(self).__name__}: write after close(); {self.path} is finished")
         if self._file is None:
             raise RuntimeError(f"mindmon: {type(self).__name__}: write before open()")
         text = "".join(line + "\n" for line in self.lines(records))
@@ -56,10 +53,9 @@ class LinesFileSink(Sink):
             self._file.write(text)
 
     def flush(self) -> None:
-        if self._file is not None and not self._closed:
+        if self._file is not None and not self.closed:
             self._file.flush()
 
     def close(self) -> None:
-        self._closed = True
         if self._file is not None and not self._file.closed:
             self._file.close()

@@ -2,9 +2,9 @@
 import logging
 from typing import List, Optional, Sequence
 
-from ..engine import RunInfo, Sink, SinkClosedError
-from ..formats.log_lines import format_lines
-from ..records import Record
+from mindmon.engine import RunInfo, Sink
+from mindmon.formats.log_lines import format_lines
+from mindmon.records import Record
 
 
 class LogSink(Sink):
@@ -21,14 +21,11 @@ class LogSink(Sink):
     def __init__(self, logger: Optional[logging.Logger] = None):
         self.logger = logger or logging.getLogger("mindmon")
         self.max_steps: Optional[int] = None
-        self._closed = False
 
     def open(self, run: RunInfo) -> None:
         self.max_steps = run.max_steps
 
     def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise SinkClosedError("mindmon: LogSink: write after close()")
         lines = self.lines(list(records))
         if lines:
             self.logger.info("\n".join(lines))
@@ -36,6 +33,3 @@ class LogSink(Sink):
     def lines(self, records: List[Record]) -> List[str]:
         """The step's lines, in the documented order (a subclass may write other formats)."""
         return format_lines(records, self.max_steps)
-
-    def close(self) -> None:
-        self._closed = True

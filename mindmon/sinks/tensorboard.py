@@ -12,10 +12,10 @@ import os
 from collections import defaultdict
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from ..engine import RunInfo, Sink, SinkClosedError
-from .lines import unwritable
-from ..formats.layout import global_micro_step, rank_dir
-from ..records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
+from mindmon.engine import RunInfo, Sink
+from mindmon.sinks.lines import unwritable
+from mindmon.formats.layout import global_micro_step, rank_dir
+from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
                        MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, SAMPLES, TOKENS_PER_EXPERT,
                        TOKENS_PER_EXPERT_STEP, Record, TensorStatsRecord)
 
@@ -116,10 +116,9 @@ class TensorBoardSink(Sink):
         self.log_dir: Optional[str] = None
         self.axes = Axes()
         self._writer = None
-        self._closed = False
 
     def open(self, run: RunInfo) -> None:
-        from ..extras import require
+        from mindmon.extras import require
 
         SummaryWriter = require("tensorboard", "tensorboardX").SummaryWriter
         self.log_dir = rank_dir(self.tensorboard_dir, run.rank)
@@ -131,8 +130,6 @@ class TensorBoardSink(Sink):
             raise unwritable("monitor.tensorboard.tensorboard_dir", self.tensorboard_dir, self.log_dir, error) from None
 
     def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise SinkClosedError(f"mindmon: TensorBoardSink: write after close(); {self.log_dir} is finished")
         records = [r for r in records if r.step % self.log_interval == 0]
         self.axes.see(records)
         for record in records:
@@ -143,10 +140,9 @@ class TensorBoardSink(Sink):
                     self._writer.add_scalar(tag + VS_SAMPLES, value, samples)
 
     def flush(self) -> None:
-        if self._writer is not None and not self._closed:
+        if self._writer is not None and not self.closed:
             self._writer.flush()
 
     def close(self) -> None:
-        self._closed = True
         if self._writer is not None:
             self._writer.close()

@@ -1,0 +1,38 @@
+"""Anomaly alerts: rules over mindmon records, msprobe's anomaly.json dump, the analysis of dumps,
+and delivery to a database or by e-mail. See docs/alerts.md.
+
+Example:
+    from mindmon.features.alerts import AlertConfig, AlertSink
+    sink = AlertSink(AlertConfig.parse("monitor.alert", {"rules": [
+        {"rule_name": "AnomalyNan"}, {"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}],
+        "dump": True}), output_dir="./output/monitor")
+"""
+from mindmon.features.alerts.actions import AlertActions
+from mindmon.features.alerts.anomaly import Anomaly
+from mindmon.features.alerts.config import AlertConfig, RuleConfig
+from mindmon.features.alerts.delivery import DeliveryReport
+from mindmon.features.alerts.rules import (RULES, AnomalyNan, AnomalyTurbulence, LossSpike, MoELoadImbalance, Rule,
+                    scalar_value, tag_and_statistic)
+from mindmon.features.alerts.sink import AlertSink, build_alert_sink, delivery_note
+from mindmon.engine import Feature
+
+__all__ = ["AlertActions", "AlertConfig", "AlertSink", "Anomaly", "AnomalyNan", "AnomalyTurbulence",
+           "DeliveryReport", "LossSpike", "build_alert_sink", "delivery_note", "MoELoadImbalance", "RULES", "Rule", "RuleConfig",
+           "scalar_value", "tag_and_statistic", "FEATURE"]
+
+
+def _parse(path: str, value) -> "AlertConfig":
+    return None if value is None else AlertConfig.parse(path, value)
+
+
+def build(build, section: AlertConfig) -> None:
+    """The alert sink (on every rank: each judges its own records) and its actions."""
+    if not section.active:
+        return
+    sink, actions = build_alert_sink(section, build.config.monitor.output_dir, build.rank, build.logger,
+                                     build.data_parallel, path=section.path)
+    build.sinks.append(sink)
+    build.add_actions(actions)
+
+
+FEATURE = Feature("alert", "monitor.alert", parse=_parse, build=build)

@@ -1,0 +1,141 @@
+"""The `alert` block (msprobe's config.json `alert`, mindmon's YAML `monitor.alert`): rules, dump,
+inform (delivery) and the opt-in actions. Every error names the key path, the value and what is
+allowed; passwords are never part of a message.
+
+Example:
+    config = AlertConfig.parse("monitor.alert", {
+        "rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 1e10}},
+                  {"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}],
+        "dump": True,
+        "inform": {"recipient": "database", "connection_str": "sqlite:///alerts.db"}})
+    rules = config.build_rules()
+"""
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from mindmon.config import ConfigError, check_bool, check_keys, is_int, type_error, value_error
+from mindmon.features.alerts.rules import RULES, Rule
+
+SELECTION_KEYS = ("kinds", "statistics")
+RULE_ARGS = {  # rule_name -> {arg: required?}
+    "AnomalyTurbulence": {"threshold": True, "window": False, "direction": False},
+    "AnomalyNan": {"threshold": False},
+    "LossSpike": {"threshold": False, "window": False, "min_history": False},
+    "MoELoadImbalance": {"threshold": True},
+}
+
+
+def _number(path: str, value: Any, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise type_error(path, value, f"a number >= {minimum:g}")
+    if not value >= minimum or value == float("inf"):
+        raise value_error(path, value, f"a finite number >= {minimum:g}")
+    return float(value)
+
+
+def _positive_int(path: str, value: Any) -> int:
+    if not is_int(value):
+        raise type_error(path, value, "a positive int")
+    if value < 1:
+        raise value_error(path, value, "a positive int")
+    return value
+
+
+def _names(path: str, value: Any) -> Tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise type_error(path, value, "a non-empty list of non-empty strings")
+    return tuple(value)
+
+
+def _rule_arg(path: str, rule_name: str, key: str, value: Any):
+    if key == "threshold":
+        return _number(path, value, 1.0 if rule_name == "MoELoadImbalance" else 0.0)
+    if key == "window":
+        return None if value is None and rule_name == "AnomalyTurbulence" else _positive_int(path, value)
+    if key == "min_history":
+        return _positive_int(path, value)
+    if value not in ("both", "up"):
+        raise value_error(path, value, '"both" or "up"')
+    return value
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    rule_name: str
+    args: Dict[str, Any] = field(default_factory=dict)
+    kinds: Optional[Tuple[str, ...]] = None
+    statistics: Optional[Tuple[str, ...]] = None
+
+    @classmethod
+    def parse(cls, path: str, section: Any) -> "RuleConfig":
+        section = check_keys(path, section, ("rule_name", "args") + SELECTION_KEYS)
+        name = section.get("rule_name")
+        if name not in RULES:
+            raise value_error(f"{path}.rule_name", name, f"one of {sorted(RULES)}")
+        allowed = RULE_ARGS[name]
+        args = check_keys(f"{path}.args", section.get("args"), tuple(allowed))
+        for key, required in allowed.items():
+            if required and key not in args:
+                raise ConfigError(f"{path}.args.{key}: missing; {name} needs it (a number)")
+        parsed = {key: _rule_arg(f"{path}.args.{key}", name, key, value) for key, value in args.items()}
+        if name == "LossSpike" and parsed.get("min_history", 5) > parsed.get("window", 10):
+            raise value_error(f"{path}.args.min_history", parsed.get("min_history", 5),
+                               f"at most window ({parsed.get('window', 10)})")
+        selection = {key: _names(f"{path}.{key}", section[key]) for key in SELECTION_KEYS
+                     if section.get(key) is not None}
+        return cls(name, parsed, **selection)
+
+    def build(self) -> Rule:
+        return RULES[self.rule_name](kinds=self.kinds, statistics=self.statistics, **self.args)
+
+    def to_dict(self) -> dict:
+        out = {"rule_name": self.rule_name, "args": dict(self.args)}
+        out.update({key: list(getattr(self, key)) for key in SELECTION_KEYS if getattr(self, key) is not None})
+        return out
+
+
+def _rules(path: str, value: Any) -> Tuple[RuleConfig, ...]:
+    if not isinstance(value, list) or not value:
+        raise type_error(path, value, 'a non-empty list of {"rule_name": ..., "args": {...}}')
+    return tuple(RuleConfig.parse(f"{path}[{i}]", rule) for i, rule in enumerate(value))
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    rules: Tuple[RuleConfig, ...] = ()
+    dump: bool = False
+    inform: Tuple[Any, ...] = ()            # DatabaseInform / EmailInform, from `inform`
+    stop_on_anomaly: bool = False
+    skip_nonfinite_update: bool = False
+    path: str = "monitor.alert"             # where it was read, for the errors found when it is built
+
+    KEYS = ("rules", "dump", "inform", "stop_on_anomaly", "skip_nonfinite_update")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rules)
+
+    @classmethod
+    def parse(cls, path_prefix: str, section: Any) -> "AlertConfig":
+        from mindmon.features.alerts.delivery import parse_inform
+
+        section = check_keys(path_prefix, section, cls.KEYS)
+        if not section:
+            return cls(path=path_prefix)
+        if "rules" not in section:
+            raise ConfigError(f"{path_prefix}.rules: missing; allowed: a non-empty list of rules "
+                              f"(rule_name one of {sorted(RULES)})")
+        flags = {key: check_bool(f"{path_prefix}.{key}", section[key])
+                 for key in ("dump", "stop_on_anomaly", "skip_nonfinite_update") if key in section}
+        return cls(rules=_rules(f"{path_prefix}.rules", section["rules"]),
+                   inform=parse_inform(f"{path_prefix}.inform", section.get("inform")), path=path_prefix, **flags)
+
+    def build_rules(self) -> List[Rule]:
+        return [rule.build() for rule in self.rules]
+
+    def to_dict(self) -> dict:
+        """The section with defaults filled in; passwords shown as `***`."""
+        inform = [item.to_dict() for item in self.inform]
+        return {"rules": [rule.to_dict() for rule in self.rules], "dump": self.dump,
+                "inform": (inform[0] if len(inform) == 1 else inform) or None,
+                "stop_on_anomaly": self.stop_on_anomaly, "skip_nonfinite_update": self.skip_nonfinite_update}

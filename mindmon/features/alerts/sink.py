@@ -1,0 +1,166 @@
+"""AlertSink: judges every record it is given with the configured rules, logs each anomaly,
+dumps it (`dump: true`) and hands it to the delivery threads (`inform`). Its cost in the step is
+a few dict look-ups per record; nothing in it waits for a network.
+
+Example:
+    sink = AlertSink(AlertConfig.parse("monitor.alert", section), "./output/monitor", rank=0)
+    sink.open(RunInfo(rank=0))
+    sink.write(records)    # records of one step, any kind
+    sink.flush()           # the dump, atomically
+    sink.close()           # waits for delivery (at most close_timeout) and logs what was delivered
+"""
+import logging
+from collections import deque
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from mindmon.engine import RunInfo, Sink
+from mindmon.records import Record, TensorStatsRecord
+from mindmon.features.alerts.actions import AlertActions
+from mindmon.features.alerts.anomaly import Anomaly
+from mindmon.features.alerts.config import AlertConfig
+from mindmon.features.alerts.delivery import Deliverer, DeliveryReport, build_recipient
+from mindmon.features.alerts.dump import AnomalyDump
+from mindmon.features.alerts.rules import Verdict, first_verdict, scalar_value, tag_and_statistic
+
+LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
+
+
+def _scalars(records: Sequence[Record]):
+    """Records as the rules read them: a tensor's statistics one by one (`<tensor>/<op>`)."""
+    for record in records:
+        if isinstance(record, TensorStatsRecord):
+            yield from record.per_statistic()
+        else:
+            yield record
+
+
+class AlertSink(Sink):
+    def __init__(self, config: AlertConfig, output_dir: str, rank: int = 0,
+                 logger: Optional[logging.Logger] = None, group_mates: Optional[Sequence[int]] = None,
+                 pp_stage: int = 0, vpp_stage: int = 0, actions: Optional[AlertActions] = None,
+                 statistic_of: Callable[[Record], Tuple[str, str]] = tag_and_statistic,
+                 path: str = "monitor.alert"):
+        self.config = config
+        self.rank = rank
+        self.logger = logger or logging.getLogger("mindmon")
+        self.group_mates = list(group_mates) if group_mates is not None else None
+        self.stages = (pp_stage, vpp_stage)
+        self.actions = actions
+        self.statistic_of = statistic_of
+        self.rules = config.build_rules()
+        self.dump = AnomalyDump(output_dir, rank) if config.dump else None
+        paths = [f"{path}.inform"] if len(config.inform) == 1 else \
+            [f"{path}.inform[{i}]" for i in range(len(config.inform))]
+        recipients = [build_recipient(inform, p) for inform, p in zip(config.inform, paths)]  # ConfigError now
+        self.deliverers = [Deliverer(recipient, self.logger) for recipient in recipients]
+        self.count = 0                       # anomalies found so far
+        self.recent: deque = deque(maxlen=100)
+        self.reports: List[DeliveryReport] = []
+        self._calls = 0
+        self._dump_failed = False
+        self._series = {}                    # (kind, name) -> (tag, statistic, the rules that read it, series key)
+
+    def open(self, run: RunInfo) -> None:
+        self.rank = run.rank
+        if self.dump is not None:
+            self.dump.set_rank(run.rank)
+            if run.resumed:
+                self.dump.load_existing()
+
+    def write(self, records: Sequence[Record]) -> None:
+        found = []
+        for record in _scalars(records):
+            self._calls += 1
+            x = scalar_value(record.value)
+            if x is None:
+                continue
+            tag, statistic, rules, series = self._series_of(record)
+            verdict = first_verdict(rules, series, x) if rules else None
+            if verdict is not None:
+                found.append(self._anomaly(record, tag, statistic, x, verdict))
+        if found:
+            self._handle(found)
+
+    def _series_of(self, record: Record) -> tuple:
+        """Worked out once per (kind, name): `statistic_of` depends on nothing else."""
+        key = (record.kind, record.name)
+        if key not in self._series:
+            tag, statistic = self.statistic_of(record)
+            rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)]
+            self._series[key] = (tag, statistic, rules, (record.kind, record.name, statistic))
+        return self._series[key]
+
+    def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
+        where = f"step {record.step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
+        message = (f"Rule {verdict.rule_name} reports anomaly signal in ('{tag}', '{statistic}') at {where} "
+                   f"on rank {record.rank}: {verdict.detail}.")
+        mates = self.group_mates if self.group_mates is not None else [record.rank]
+        return Anomaly(record.rank, record.step, record.micro_step, self._calls, record.kind, record.name, tag,
+                       statistic, x, verdict.rule_name, message, *self.stages, group_mates=mates)
+
+    def _handle(self, found: List[Anomaly]) -> None:
+        self.count += len(found)
+        self.recent.extend(found)
+        for anomaly in found[:LOGGED_PER_WRITE]:
+            self.logger.warning("mindmon alert: %s", anomaly.message)
+        if len(found) > LOGGED_PER_WRITE:
+            self.logger.warning("mindmon alert: %d more anomalies at step %d (see the dump)",
+                                len(found) - LOGGED_PER_WRITE, found[-1].step)
+        if self.dump is not None:
+            self.dump.add(found)
+        for deliverer in self.deliverers:
+            deliverer.submit(found)
+        if self.actions is not None:
+            self.actions.note(found)
+
+    def flush(self) -> None:
+        """Writes the dump; a failure (disk full) is logged once and retried at the next flush,
+        the file on disk stays the last complete one."""
+        if self.dump is None:
+            return
+        try:
+            self.dump.write()
+        except OSError as error:
+            if not self._dump_failed:
+                self.logger.error("mindmon alerts: writing %s failed (%s); retrying at every step end, "
+                                  "training goes on", self.dump.path, error)
+            self._dump_failed = True
+
+    def close(self) -> None:
+        """Writes the dump, then waits (at most `close_timeout` each) for delivery and logs the counts."""
+        try:
+            self.flush()
+        finally:
+            self.reports = [deliverer.close() for deliverer in self.deliverers]
+            self.deliverers = []
+
+
+def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger: Optional[logging.Logger] = None,
+                     data_parallel=None, path: str = "monitor.alert") -> Tuple[AlertSink, AlertActions]:
+    """The sink and the actions object for one rank, as a trainer wires them: `group_mates` are the
+    data-parallel ranks, the actions agree over the same group. Raises ConfigError (a missing
+    database driver) before training starts."""
+    size = data_parallel.size if data_parallel is not None else 1
+    mates = list(range(size)) if size > 1 else [rank]
+    actions = AlertActions.from_config(config, data_parallel, logger)
+    return AlertSink(config, output_dir, rank, logger, group_mates=mates, actions=actions, path=path), actions
+
+
+def delivery_note(sink: AlertSink, rows: int = 10) -> List[str]:
+    """Lines for a closing note, after `sink.close()`: each recipient's counts and, for databases,
+    the last rows selected back (so the note shows what really arrived). Passwords masked."""
+    from mindmon.features.alerts.delivery import DatabaseInform, read_back_rows
+
+    lines = [f"alerts: {sink.count} anomalies"]
+    for inform, report in zip(sink.config.inform, sink.reports):
+        lines.append(f"  {report.recipient}: {report.delivered} delivered, {report.failed} failed, "
+                     f"{report.dropped} dropped, {report.undelivered} not delivered")
+        if isinstance(inform, DatabaseInform) and report.delivered:
+            try:
+                selected = read_back_rows(inform.url, inform.table, rows)
+            except Exception as error:  # the note must not fail the run's end
+                lines.append(f"    (reading back failed: {type(error).__name__})")
+                continue
+            lines += [f"    id {r['id']}: step {r['step']} {r['tag_name']} {r['statistic']}={r['value_text']} "
+                      f"({r['rule_name']})" for r in selected]
+    return lines

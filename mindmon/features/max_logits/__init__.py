@@ -1,0 +1,18 @@
+"""Max attention logit per head (`MaxLogitsMonitor` in `callbacks:`): the model's running max, reset
+every step, printed every `step_interval` steps."""
+from mindmon.engine import Feature
+from mindmon.features.max_logits.config import MAX_LOGITS_CALLBACK, MaxLogitsSection
+
+
+def build(build, section: MaxLogitsSection) -> None:
+    # Read again from the callbacks: a trainer may declare the monitor in code (mindmon.integrations).
+    section = MaxLogitsSection.parse("callbacks", build.config.callbacks)
+    if section.active and build.collects and build.model is not None:
+        from mindmon.features.max_logits.monitor import MaxAttentionLogitMonitor
+
+        build.add_monitor(MaxAttentionLogitMonitor(build.model, section.step_interval, build.rank,
+                                                   build.data_parallel if build.cross_rank else None, build.logger))
+
+
+FEATURE = Feature("max_logits", "callbacks", parse=MaxLogitsSection.parse, build=build)
+__all__ = ["FEATURE", "MAX_LOGITS_CALLBACK", "MaxLogitsSection"]

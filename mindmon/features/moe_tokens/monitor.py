@@ -1,0 +1,196 @@
+"""`monitor.moe_monitor`: tokens per expert, per micro-step and MoE layer (docs/semantics.md).
+
+The model keeps a cumulative `tokens_per_expert` count in each MoE layer (MindFormers' MoE layer and
+the demo's do; `mindmon.probes` adds one to a router that lacks it). The monitor snapshots every
+selected layer's count at step begin and after each micro-step; the difference of two snapshots is
+what one micro-batch routed. A micro-step is written when its global micro-step `iter`
+(mindmon.formats.layout) is a multiple of `save_tokens_per_expert_interval`.
+"""
+import logging
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from mindmon.config import ConfigError, short_repr
+from mindmon.features.moe_tokens.config import MoEMonitorConfig
+from mindmon.engine import Monitor
+from mindmon.formats.layout import global_micro_step
+from mindmon.records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
+                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
+
+STEP_BEGIN = "moe_tpe_step_begin"
+MICRO_STEP_END = "moe_tpe"
+
+_DECODER_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)(?:\.|$)")
+_MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One counter: `name` is how records call the layer (`decoder.layers.1`, `mtp.layers.0`),
+    `module` is the cell that holds `tokens_per_expert`."""
+
+    name: str
+    module: str
+
+
+def find_moe_layers(model) -> Dict[str, tuple]:
+    """{record name: (MoELayer, cell)} for every cell with a `tokens_per_expert` tensor, in model order.
+
+    MTP layers (`mtp.layers.<i>...`) are matched first, since their inner transformer layer may
+    itself be named like a decoder layer.
+    """
+    found = {}
+    for module, cell in model.cells_and_names():
+        if getattr(cell, "tokens_per_expert", None) is None:
+            continue
+        mtp, decoder = _MTP_LAYER.search(module), _DECODER_LAYER.search(module)
+        if mtp:
+            layer = MoELayer(f"mtp.layers.{mtp.group(1)}", module)
+        elif decoder:
+            layer = MoELayer(f"decoder.layers.{decoder.group(1)}", module)
+        else:
+            raise ConfigError(f"monitor.moe_monitor: the MoE module {module!r} is neither under "
+                              f"'decoder.layers.<L>' nor 'mtp.layers.<i>'; allowed: MindFormers-style names")
+        found.setdefault(layer.name, (layer, cell))
+    return found
+
+
+def decoder_layer_count(model) -> int:
+    ids = {int(m.group(1)) for name, _ in model.cells_and_names() for m in [_DECODER_LAYER.search(name)] if m}
+    return max(ids) + 1 if ids else 0
+
+
+def select_layers(model, config: MoEMonitorConfig, logger: logging.Logger) -> List[tuple]:
+    """The (MoELayer, cell) pairs `target_layers` asks for; a target that is no MoE layer is
+    logged and skipped, one that does not exist is an error."""
+    found = find_moe_layers(model)
+    key = "monitor.moe_monitor.target_layers"
+    if config.target_layers is None:
+        selected = list(found.values())
+    else:
+        targets = range(config.target_layers) if isinstance(config.target_layers, int) else config.target_layers
+        count = decoder_layer_count(model)
+        if (targets[-1] if isinstance(targets, range) else max(targets)) >= count:
+            # Name the missing ids compactly: target_layers may be 1000000 (a range, never listed out).
+            missing = (f"{count}..{config.target_layers - 1}" if isinstance(config.target_layers, int)
+                       else str(sorted(t for t in targets if t >= count)[:10]))
+            raise ConfigError(f"{key}: got {short_repr(config.target_layers)}; decoder layer(s) {missing} do not exist; "
+                              f"allowed: ids 0..{count - 1} (the model has {count} decoder layers)")
+        selected = []
+        for target in targets:
+            name = f"decoder.layers.{target}"
+            if name in found:
+                selected.append(found[name])
+            else:
+                logger.warning(f"{name} is not a MoE layer")
+    if not selected:
+        raise ConfigError(f"{key}: got {short_repr(config.target_layers)}, which selects no MoE layer (no module with "
+                          f"tokens_per_expert; found: {sorted(found) or 'none'}); allowed: ids of MoE layers, "
+                          f"or attach counters with mindmon.probes.attach_tokens_per_expert_probes")
+    return selected
+
+
+class MoETokensMonitor(Monitor):
+    """Records `tokens_per_expert` per selected micro-step and layer, and per-step load summaries.
+
+    Example:
+        monitor = MoETokensMonitor(MoEMonitorConfig(save_tokens_per_expert_interval=1), model, rank=0)
+        monitor.record("moe_tpe_step_begin")
+        for k, batch in enumerate(micro_batches):
+            train_micro_step(batch)
+            monitor.record("moe_tpe", context={"micro_step": k})
+        records = monitor.collect(step=1)   # tokens_per_expert, moe_cv, moe_idle_experts, ...
+    """
+
+    KEYS = (STEP_BEGIN, MICRO_STEP_END)
+
+    def __init__(self, config: MoEMonitorConfig, model, rank: int = 0, on_host: bool = True,
+                 logger: Optional[logging.Logger] = None, cross_rank: bool = False):
+        self.config = config
+        self.rank = rank
+        self.on_host = on_host
+        self.cross_rank = cross_rank  # step totals summed over the data-parallel group
+        selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
+        self.layers = [layer for layer, _ in selected]
+        self.cells = [cell for _, cell in selected]
+        self.reset()
+
+    def reset(self) -> None:
+        self._snapshots: List = []
+        self._all_ranks: Optional[List[np.ndarray]] = None
+
+    def cross_rank_shapes(self) -> List[tuple]:
+        return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] if self.cross_rank else []
+
+    def cross_rank_sums(self) -> List:
+        """This rank's step totals per layer, to be summed over the ranks with the gradients."""
+        from mindspore import Tensor
+
+        if not self.cross_rank or len(self._snapshots) < 2:
+            return None
+        step_tokens = self._snapshots[-1] - self._snapshots[0]   # (layers, experts), numpy or on device
+        if isinstance(step_tokens, np.ndarray):
+            return [Tensor(layer.astype(np.float32)) for layer in step_tokens]
+        from mindspore import ops
+
+        return list(ops.unstack(step_tokens))  # stays on the device until the all-reduce
+
+    def receive_cross_rank_sums(self, sums: Sequence) -> None:
+        self._all_ranks = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
+
+    def record(self, key: str, value=None, context=None) -> None:
+        if key == STEP_BEGIN:
+            self._snapshots = [self._snapshot()]
+        elif key == MICRO_STEP_END and self._snapshots:
+            self._snapshots.append(self._snapshot())
+
+    def _snapshot(self):
+        """The cumulative counts of every selected layer, copied (the model keeps adding to them)."""
+        counts = [cell.tokens_per_expert for cell in self.cells]
+        if self.on_host:
+            return np.stack([c.asnumpy() for c in counts]).astype(np.float64)
+        from mindspore import ops
+
+        return ops.stack(counts)
+
+    def collect(self, step: int) -> List[Record]:
+        if len(self._snapshots) < 2:
+            self.reset()
+            return []
+        counts = self._to_host(self._snapshots)            # (K + 1, layers, experts), cumulative
+        per_micro_step = np.rint(np.diff(counts, axis=0)).astype(np.int64)
+        step_totals = self._all_ranks if self._all_ranks is not None else list(per_micro_step.sum(axis=0))
+        self.reset()
+        num_micro_steps = per_micro_step.shape[0]
+        records = []
+        for micro_step, routed in enumerate(per_micro_step):
+            iteration = global_micro_step(step, micro_step, num_micro_steps)
+            if iteration % self.config.save_tokens_per_expert_interval == 0:
+                records += [Record(step, micro_step, self.rank, TOKENS_PER_EXPERT, layer.name,
+                                   [int(v) for v in tokens], iteration)
+                            for layer, tokens in zip(self.layers, routed)]
+        for layer, step_tokens in zip(self.layers, step_totals):
+            records.append(Record(step, None, self.rank, TOKENS_PER_EXPERT_STEP, layer.name,
+                                  [int(v) for v in step_tokens]))
+            records += self._summaries(step, layer.name, step_tokens)
+        return records
+
+    @staticmethod
+    def _to_host(snapshots: Sequence) -> np.ndarray:
+        if isinstance(snapshots[0], np.ndarray):
+            return np.stack(snapshots)
+        from mindspore import ops
+
+        return ops.stack(list(snapshots)).asnumpy().astype(np.float64)  # one transfer per step
+
+    def _summaries(self, step: int, name: str, tokens: np.ndarray) -> List[Record]:
+        values = {MOE_MIN_TOKENS: float(tokens.min()), MOE_MAX_TOKENS: float(tokens.max()),
+                  MOE_IDLE_EXPERTS: float((tokens == 0).sum())}
+        mean = float(tokens.mean())
+        if mean > 0:
+            values[MOE_MAX_OVER_MEAN] = float(tokens.max()) / mean
+            values[MOE_CV] = float(tokens.std()) / mean
+        return [Record(step, None, self.rank, kind, name, value) for kind, value in values.items()]

@@ -1,0 +1,298 @@
+"""Activation statistics (`xy_distribution`): each monitored cell's forward inputs and outputs (`actv`) and
+their gradients (`actv_grad`), per micro-step, through Cell forward and backward hooks.
+
+Which cells: `xy_distribution` on, then
+  - a cell named in `targets` with specs collects what its specs name (`{}` = everything);
+  - with `all_xy`, or with empty `targets`, every other cell collects everything;
+  - `forward_only` drops the gradients, `backward_only` the forward tensors (both: nothing, a warning).
+Only cells in training mode (`cell.training`) are collected. The backward hooks are attached only while
+steps are collected: MindSpore's cell backward hooks slow every step by about a tenth even when they
+return at once, where forward hooks cost nothing measurable (docs/performance.md).
+
+Specs (`targets: {"layers.0": {"input": "tuple[2]:0", "output": "tensor", ...}}`), per key
+`input`, `output`, `input_grad`, `output_grad`:
+    "tensor"       the value is one tensor (a hook's argument tuple holding exactly one tensor counts)
+    "tuple[N]"     a tuple of N elements: every tensor in it
+    "tuple[N]:i"   a tuple of N elements: element i (a tensor)
+A cell whose value does not match its spec is reported once (an error naming the cell, the key, the spec
+and what the cell got) and that hook is detached at the step end; the rest of the run goes on.
+
+Row names: `<cell>.input` / `<cell>.output` (the root cell's name is empty: `.input`), `<cell>.input_<i>`
+for element i of a value holding several; `actv_grad` uses the same names for the gradients of the same
+tensors, so `.input_1` in both files is one tensor. A gradient MindSpore does not compute (an input that
+is not differentiated) is None and has no row.
+
+Micro-steps: the root cell's forward pre-hook counts its calls in the step (0, 1, ... K-1); backward hooks
+use the count of the forward they follow (forward and backward of a micro-batch run together, as in a
+gradient-accumulation loop).
+"""
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from mindmon.compat import mindspore_types, named_cells
+from mindmon.config import ConfigError, check_keys, describe
+from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD
+
+logger = logging.getLogger("mindmon")
+
+FORWARD_KEYS = ("input", "output")
+BACKWARD_KEYS = ("input_grad", "output_grad")
+SPEC_KEYS = FORWARD_KEYS + BACKWARD_KEYS
+_ROW_NAME = {"input": "input", "output": "output", "input_grad": "input", "output_grad": "output"}
+_SPEC = re.compile(r"^(?:(?P<tensor>tensor)|tuple\[(?P<length>\d+)\](?::(?P<index>\d+))?)$")
+_ALLOWED = "'tensor', 'tuple[N]' or 'tuple[N]:i' with i < N"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One parsed spec: `length` None = "tensor"; `index` None = every element."""
+
+    text: str
+    length: Optional[int] = None
+    index: Optional[int] = None
+
+
+class SpecMismatch(Exception):
+    """A cell's value does not have the shape its spec says."""
+
+
+def parse_spec(path: str, value) -> Spec:
+    match = _SPEC.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{path}: got {describe(value)}; allowed: {_ALLOWED}")
+    if match.group("tensor"):
+        return Spec(value)
+    length = int(match.group("length"))
+    index = None if match.group("index") is None else int(match.group("index"))
+    if length < 1 or (index is not None and index >= length):
+        raise ConfigError(f"{path}: got {value!r}; allowed: {_ALLOWED}")
+    return Spec(value, length, index)
+
+
+def parse_xy_specs(path: str, targets) -> Dict[str, Dict[str, Optional[Spec]]]:
+    """The targets that carry specs: {cell: {key: Spec}}; a target `{}` maps to every key (None = all)."""
+    specs = {}
+    for name, entry in (targets or {}).items():
+        if not isinstance(entry, dict) or not entry:
+            continue
+        check_keys(f"{path}.{name}", entry, SPEC_KEYS)
+        specs[name] = {key: parse_spec(f"{path}.{name}.{key}", text) for key, text in entry.items()}
+    return specs
+
+
+def warn_forward_and_backward_only(path: str, flags: Dict[str, bool]) -> None:
+    if flags.get("xy_distribution") and flags.get("forward_only") and flags.get("backward_only"):
+        prefix = f"{path}." if path else ""
+        logger.warning("mindmon: %sforward_only and %sbackward_only are both true: no activations are collected",
+                       prefix, prefix)
+
+
+def is_tensor(value) -> bool:
+    return isinstance(value, mindspore_types().tensor)
+
+
+def describe_value(value) -> str:
+    """What a hook got, in spec words: `tensor`, `tuple[2] (Tensor, NoneType)`."""
+    if is_tensor(value):
+        return "tensor"
+    if isinstance(value, (tuple, list)):
+        return f"tuple[{len(value)}] ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+def select(spec: Optional[Spec], value) -> List[Tuple[Optional[int], object]]:
+    """(position or None, element) pairs the spec picks; position is given when the value holds several."""
+    items = list(value) if isinstance(value, (tuple, list)) else None
+    if spec is None:
+        if items is None:
+            return [(None, value)]
+        return [(None, items[0])] if len(items) == 1 else list(enumerate(items))
+    if spec.length is None:
+        if items is None and is_tensor(value):
+            return [(None, value)]
+        if items is not None and len(items) == 1 and is_tensor(items[0]):
+            return [(None, items[0])]
+        raise SpecMismatch()
+    if items is None or len(items) != spec.length:
+        raise SpecMismatch()
+    if spec.index is None:
+        return [(None, items[0])] if spec.length == 1 else list(enumerate(items))
+    chosen = items[spec.index]
+    if chosen is not None and not is_tensor(chosen):
+        raise SpecMismatch()
+    return [(None, chosen)]
+
+
+class CellValues:
+    """The rows one hook of one cell gives, for the keys of its plan: tensors only (None gradients and
+    non-tensor arguments have none). Each key's place among the hook's arguments and its rows' base name
+    (`<cell>.input`) are found once per cell, not at every call."""
+
+    def __init__(self, cell: str, plan: Dict[str, Optional[Spec]], keys: Tuple[str, str]):
+        self.entries = [(keys.index(key), key, spec, f"{cell}.{_ROW_NAME[key]}") for key, spec in plan.items()]
+
+    def pick(self, arguments: tuple) -> List[Tuple[str, object]]:
+        """(row name, tensor) pairs; SpecMismatch(key, spec, value) for a value its spec does not fit."""
+        tensor_type = mindspore_types().tensor
+        rows = []
+        for place, key, spec, base in self.entries:
+            value = arguments[place]
+            if spec is None:   # everything: most values are a tensor or a tuple of one, taken without a call
+                single = value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
+                if isinstance(single, tensor_type):
+                    rows.append((base, single))
+                    continue
+            try:
+                chosen = select(spec, value)
+            except SpecMismatch:
+                raise SpecMismatch(key, spec, value) from None
+            rows += [(base if position is None else f"{base}_{position}", item)
+                     for position, item in chosen if isinstance(item, tensor_type)]
+        return rows
+
+
+def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
+    """{key: spec} this cell collects ({} = not monitored)."""
+    if name in config.xy_specs:
+        plan = dict(config.xy_specs[name])
+    elif config.all_xy or not config.targets or name in config.targets:
+        plan = dict.fromkeys(SPEC_KEYS)
+    else:
+        plan = {}
+    dropped = FORWARD_KEYS if config.backward_only else BACKWARD_KEYS if config.forward_only else ()
+    return {key: spec for key, spec in plan.items() if key not in dropped}
+
+
+def check_spec_targets(model, config) -> None:
+    """Every target with specs names a cell of the model (checked before training)."""
+    cells = {name for name, _ in named_cells(model)}
+    for name in config.xy_specs:
+        if name not in cells:
+            examples = sorted(cells)[:6]
+            raise ConfigError(f"targets.{name}: names no cell of the model, but carries activation specs; allowed: "
+                              f"cell names from cells_and_names(), such as {examples}")
+
+
+class MicroSteps:
+    """Micro-step of the current forward: the root cell's forward calls in this step, from 0."""
+
+    def __init__(self):
+        self.forwards = 0
+
+    @property
+    def current(self) -> int:
+        return max(self.forwards - 1, 0)
+
+    def begin_forward(self) -> None:
+        self.forwards += 1
+
+    def end_step(self) -> None:
+        self.forwards = 0
+
+
+class ActivationHooks:
+    """Forward and backward hooks on the monitored cells; `record(point, named_tensors, micro_step)`
+    gets the tensors. `collecting()` says whether this step is collected (no work otherwise)."""
+
+    def __init__(self, config, record: Callable, collecting: Callable[[], bool], micro_steps: MicroSteps,
+                 guard: Callable):
+        self.config = config
+        self.record = record
+        self.collecting = collecting
+        self.micro_steps = micro_steps
+        self.guard = guard
+        self.handles: Dict[Tuple[str, str], object] = {}
+        self._backward_plans: List[Tuple[str, object, Dict[str, Optional[Spec]]]] = []
+        self._mismatched: List[Tuple[str, str]] = []
+        # Whether a collected step had hook calls from cells in training mode / in eval mode: a step with
+        # only the latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
+        self._saw_training = self._saw_eval = False
+        self._warned_eval = False
+
+    def attach(self, model) -> int:
+        """Hooks every monitored cell (backward hooks if this step is collected); returns how many."""
+        count = 0
+        for name, cell in named_cells(model):
+            plan = cell_plan(name, self.config)
+            forward = {k: s for k, s in plan.items() if k in FORWARD_KEYS}
+            backward = {k: s for k, s in plan.items() if k in BACKWARD_KEYS}
+            if forward:
+                self.handles[(name, "forward")] = cell.register_forward_hook(self._forward_hook(name, forward))
+            if backward:
+                self._backward_plans.append((name, cell, backward))
+            count += bool(plan)
+        self.follow_collection()
+        return count
+
+    def follow_collection(self) -> None:
+        """Backward hooks on for a collected step, off for one that is not (called between steps)."""
+        collecting = self.collecting()
+        for name, cell, plan in self._backward_plans:
+            key = (name, "backward")
+            if collecting and key not in self.handles and key not in self._mismatched:
+                self.handles[key] = cell.register_backward_hook(self._backward_hook(name, plan))
+            elif not collecting and key in self.handles:
+                self.handles.pop(key).remove()
+
+    def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
+        return self._hook((name, "forward"), ACTV, CellValues(name, plan, FORWARD_KEYS))
+
+    def _backward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
+        return self._hook((name, "backward"), ACTV_GRAD, CellValues(name, plan, BACKWARD_KEYS))
+
+    def _hook(self, key: Tuple[str, str], point: str, values: CellValues):
+        def hook(cell, *arguments):   # (inputs, output) forward; (grad_input, grad_output) backward
+            if self.collecting():
+                if not cell.training:
+                    self._saw_eval = True
+                elif key not in self._mismatched:
+                    self._saw_training = True
+                    self.guard(self._collect, key, point, values, arguments)
+        return hook
+
+    def _collect(self, key: Tuple[str, str], point: str, values: CellValues, arguments: tuple) -> None:
+        try:
+            rows = values.pick(arguments)
+        except SpecMismatch as mismatch:
+            self._mismatched.append(key)
+            value_key, spec, value = mismatch.args
+            name, direction = key
+            logger.error("mindmon: targets.%s.%s is %r, but the cell %r got %s; its %s activations are not "
+                         "collected (fix the spec; print_struct shows what each cell gets)", name, value_key,
+                         spec.text, name, describe_value(value), direction)
+            return
+        if rows:
+            self.record(point, rows, self.micro_steps.current)
+
+    def end_step(self) -> None:
+        """Says once if a collected step saw only cells in eval mode; detaches hooks whose spec did not match
+        (not from inside a hook: MindSpore is iterating them)."""
+        if self._saw_eval and not self._saw_training and not self._warned_eval:
+            self._warned_eval = True
+            logger.warning("mindmon: xy_distribution: every monitored cell ran in eval mode in this step "
+                           "(Cell.training is False; MindSpore cells start so), so no activations were collected; "
+                           "call model.set_train(True) before training")
+        self._saw_training = self._saw_eval = False
+        for key in self._mismatched:
+            handle = self.handles.pop(key, None)
+            if handle is not None:
+                handle.remove()
+
+    def detach(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+
+
+def root_forward_counter(model, micro_steps: MicroSteps, on_new_forward: Optional[Callable] = None):
+    """The root cell's forward pre-hook that counts micro-steps (only forwards in training mode)."""
+    def hook(cell, inputs):
+        if cell.training:
+            if on_new_forward is not None:
+                on_new_forward()
+            micro_steps.begin_forward()
+    return model.register_forward_pre_hook(hook)
+
+

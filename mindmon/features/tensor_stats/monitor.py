@@ -1,0 +1,285 @@
+"""Per-tensor statistics (msprobe's `ops`) for many tensors at one collection point, no host sync per tensor.
+
+The statistics, all of the tensor flattened:
+    min, max   smallest / largest element; NaN if the tensor holds a NaN
+    mean       signed mean; NaN with a NaN inside, +-inf / NaN with infinities, as arithmetic gives
+    norm       L2 norm
+    zeros      share of elements with |x| < eps
+    nans       number of NaN elements
+    id         the value of a 0-dim tensor; NaN for any other
+
+On CPU they are taken right away, in one compiled pass over the tensor's memory (`mindmon/one_pass.py`;
+with synchronous execution from the data pointer, else through `asnumpy()`, a view). A float32 tensor
+of more than 4096 elements is summed in float32 blocks added in float64 (relative error about 1e-7, the
+precision of the data), anything smaller in float64.
+Elsewhere each tensor's statistics are reduced on the device into one small vector, the vectors of a
+collection point are stacked, and the host reads everything once, at `collect`.
+
+A collection point (`param_origin`, `grad_reduced`, ...) becomes one `TensorStatsRecord` per tensor:
+kind = the point's name (the CSV file prefix), name = the tensor's name, value = the statistics in
+`ops` order, plus `ops`, `shape` and `dtype`.
+
+Example:
+    monitor = TensorStatsMonitor(("min", "max", "norm"), eps=1e-8, on_host=True)
+    monitor.record("grad_reduced", [("fc1.weight", grad)])
+    records = monitor.collect(step=1)   # [TensorStatsRecord(kind="grad_reduced", name="fc1.weight", ...)]
+"""
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import math
+
+import numpy as np
+
+from mindmon.compat import dtype_name
+from mindmon.engine import Monitor
+from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
+                                                  OPS, PARAM_ORIGIN, PARAM_UPDATED, POINTS)
+from mindmon.records import Record, TensorStatsRecord
+from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at
+from mindmon.kernels.stats import SMALL, StepDirectViews, direct_view, host_array, float32_memory
+
+
+
+
+def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool = False) -> List[float]:
+    """The statistics of one flat array (of a 0-dim tensor when `scalar`), in `ops` order: one compiled
+    pass (float32 as `_float32_row` says, the rest by `one_pass.reductions`, and float32 holding NaN or inf
+    too); data that is not float32/float64 is taken as float64 first."""
+    size = flat.size
+    if not size:
+        return [_EMPTY[op] for op in ops]
+    if flat.dtype == np.float32:
+        row = _float32_row(flat, ops, eps, scalar)
+        if row is not None:
+            return row
+    elif flat.dtype != np.float64:
+        flat = flat.astype(np.float64)
+    found = reductions(flat, eps, wide=size <= SMALL)
+    total = found.total
+    if not math.isfinite(total):   # NaN or +-inf inside, or a float32 block overflowed
+        with np.errstate(invalid="ignore"):   # inf + -inf is NaN, as it should be: no warning
+            total = float(np.add.reduce(flat, dtype=np.float64))
+    # A NaN makes the sum NaN, so a finite sum proves there is none without another pass.
+    nans = 0 if math.isfinite(total) else int(np.count_nonzero(np.isnan(flat)))
+    values = {"min": math.nan if nans else found.minimum, "max": math.nan if nans else found.maximum,
+              "mean": total / size, "norm": _root(found.squares, flat), "zeros": found.small / size,
+              "nans": float(nans), "id": float(flat[0]) if scalar else math.nan}
+    return [values[op] for op in ops]
+
+
+def _float32_row(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool) -> Optional[List[float]]:
+    """A float32 array's statistics by the compiled code that reads tensors at their data pointers
+    (`reductions_at`), so that a tensor gets the same numbers whichever way it reached the statistics:
+    two compiled copies of the loop may add in different orders (its sums are reassociated into vector
+    lanes, and numba's code loaded from its disk cache was seen to differ from code just compiled in the
+    last float32 bit). None when the array holds NaN or inf (numpy's rules then)."""
+    flat = np.ascontiguousarray(flat)
+    table = np.array([0, flat.ctypes.data, flat.size, scalar], dtype=np.int64)
+    rows, redo = reductions_at(table, eps, SMALL, _codes(ops), 1)
+    return None if redo.size else rows[0].tolist()
+
+
+# An empty tensor: no element to take a min, max or mean of; nothing is zero, NaN or large.
+_EMPTY = {"min": math.nan, "max": math.nan, "mean": math.nan, "zeros": math.nan, "norm": 0.0, "nans": 0.0,
+          "id": math.nan}
+
+
+def _root(squared: float, flat: np.ndarray) -> float:
+    """sqrt of a sum of squares; float32 squares that overflowed are summed again in float64 (inf/NaN data
+    stay what they are)."""
+    if not math.isfinite(squared) and flat.dtype != np.float64:
+        flat64 = flat.astype(np.float64)
+        squared = float(np.dot(flat64, flat64))
+    return math.sqrt(squared) if not math.isnan(squared) else float("nan")
+
+
+def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool
+                    ) -> Tuple[np.ndarray, List[tuple]]:
+    """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
+    gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
+    costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
+    where they lie: their data pointers go to the compiled code in one call, which writes their rows (0-dim
+    ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that cost more than the loop over
+    a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
+    located = []   # row, address, size, 0-dim of each tensor read where it lies, flat (one numpy call: the table)
+    elsewhere = []   # rows numpy_stats takes
+    layouts = []
+    for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
+        shape, dtype, address = float32_memory(tensor, direct)
+        layouts.append((shape, dtype))
+        if address:
+            size = math.prod(shape)
+            if size:
+                located += (index, address, size, not shape)
+                continue
+        elsewhere.append(index)
+    if located:
+        rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, SMALL, _codes(ops), len(tensors))
+        for k in redo.tolist():   # NaN or inf: numpy's rules
+            index = located[4 * k]
+            rows[index] = numpy_stats(direct_view(tensors[index], "Float32"), ops, eps, not layouts[index][0])
+    else:
+        rows = np.empty((len(tensors), len(ops)))
+    for index in elsewhere:
+        shape, dtype = layouts[index]
+        rows[index] = numpy_stats(host_array(tensors[index], direct, dtype_name(dtype)), ops, eps, not shape)
+    return rows, layouts
+
+
+_CODES: Dict[Tuple[str, ...], np.ndarray] = {}
+
+
+def _codes(ops: Sequence[str]) -> np.ndarray:
+    """`ops` as `reductions_at` takes them (remembered per ops tuple)."""
+    codes = _CODES.get(tuple(ops))
+    if codes is None:
+        codes = _CODES[tuple(ops)] = np.array([ROW_STATISTICS.index(op) for op in ops], dtype=np.int64)
+    return codes
+
+
+def device_stats(tensor, ops: Sequence[str], eps: float):
+    """The statistics of one tensor as a 1-D float32 device tensor, in `ops` order; nothing is read back.
+    MindSpore's min/max skip NaN, so a tensor holding one gets NaN explicitly, as numpy gives."""
+    from mindspore import mint, ops as msops
+    import mindspore as ms
+
+    flat = (tensor if tensor.dtype == ms.float32 else tensor.astype(ms.float32)).reshape(-1)
+    size = max(int(flat.shape[0]), 1)
+    if {"nans", "min", "max"} & set(ops):
+        nan_count = msops.isnan(flat).astype(ms.float32).sum()
+        poison = mint.sqrt(-nan_count)   # sqrt(-0) = 0, sqrt(-n) = NaN: two dispatches, no host read
+    values = []
+    for op in ops:
+        if op == "nans":
+            values.append(nan_count)
+        elif op == "zeros":
+            values.append((mint.abs(flat) < eps).astype(ms.float32).sum() / size)
+        elif op == "norm":
+            values.append(mint.sqrt(mint.sum(mint.square(flat))))
+        elif op == "id":
+            values.append(flat[0] if not tensor.shape else msops.fill(ms.float32, (), float("nan")))
+        elif op == "min":
+            values.append(flat.min() + poison)
+        elif op == "max":
+            values.append(flat.max() + poison)
+        elif op == "mean":
+            values.append(flat.mean())
+    return msops.stack(values)
+
+
+class HostTensor:
+    """An array already in host memory, standing for a tensor of MindSpore dtype `dtype` (e.g. a sum of
+    gradients kept in float64 numpy)."""
+
+    def __init__(self, array: np.ndarray, dtype: str):
+        self.array = array
+        self.dtype = dtype
+        self.shape = array.shape
+
+    def asnumpy(self) -> np.ndarray:
+        return self.array
+
+
+def layout(shape, dtype) -> Tuple[Tuple[int, ...], str]:
+    """A tensor's shape and dtype objects as msprobe prints them: `(16, 8)`, `Float32`."""
+    return tuple(map(int, shape)), dtype_name(dtype)
+
+
+class Gathered(NamedTuple):
+    """The statistics of the tensors of one `add`: values float64 [tensors, ops] (a device tensor until
+    `results()`), with the ops they were taken with (ops may change while training); layouts: each
+    tensor's (shape, dtype) objects until `results()`, then as `layout` gives them."""
+
+    point: str
+    micro_step: Optional[int]
+    names: List[str]
+    layouts: List[tuple]
+    values: object
+    ops: Tuple[str, ...]
+
+
+class TensorStats:
+    """Statistics of named tensors, gathered per (point, micro_step); read with `results()`."""
+
+    def __init__(self, ops: Sequence[str], eps: float, on_host: bool):
+        self.ops = tuple(ops)
+        self.eps = eps
+        self.on_host = on_host
+        self._pending: List[Gathered] = []
+        self.direct_views = StepDirectViews()
+
+    def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
+        if not named_tensors:
+            return
+        names = [name for name, _ in named_tensors]
+        tensors = [t for _, t in named_tensors]
+        if self.on_host:
+            values, layouts = host_statistics(tensors, self.ops, self.eps, self.direct_views.allowed())
+        else:
+            from mindspore import ops as msops
+
+            values = msops.stack([device_stats(t, self.ops, self.eps) for t in tensors])
+            layouts = [(t.shape, t.dtype) for t in tensors]
+        self._pending.append(Gathered(point, micro_step, names, layouts, values, self.ops))
+
+    def results(self) -> List[Gathered]:
+        """Everything gathered, statistics as float64 arrays [tensors, ops], layouts as `layout` gives them;
+        one host transfer at most."""
+        device = [entry.values.reshape(-1) for entry in self._pending if not isinstance(entry.values, np.ndarray)]
+        if device:
+            from mindspore import ops as msops
+
+            host = iter(np.split(msops.concat(device).asnumpy().astype(np.float64),
+                                 np.cumsum([int(v.shape[0]) for v in device])[:-1]))
+        return [entry._replace(layouts=[layout(*raw) for raw in entry.layouts],
+                               values=entry.values if isinstance(entry.values, np.ndarray) else
+                               next(host).reshape(len(entry.names), len(entry.ops)))
+                for entry in self._pending]
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self.direct_views.forget()
+
+
+class TensorStatsMonitor(Monitor):
+    """The engine's view of `TensorStats`: `record(point, named_tensors, {"micro_step": k})` for each
+    point in `POINTS`, `collect(step)` returns one TensorStatsRecord per tensor and point."""
+
+    KEYS = POINTS
+
+    def __init__(self, ops: Sequence[str], eps: float = 1e-8, on_host: Optional[bool] = None, rank: int = 0):
+        if on_host is None:
+            from mindmon.kernels.stats import host_is_device
+
+            on_host = host_is_device()
+        self.rank = rank
+        self.stats = TensorStats(ops, eps, on_host)
+        if on_host:
+            prepare()   # before training, not in the first collected step
+
+    @property
+    def ops(self) -> Tuple[str, ...]:
+        return self.stats.ops
+
+    @ops.setter
+    def ops(self, ops: Sequence[str]) -> None:
+        """Takes effect for what is recorded from now on (msprobe lets users change `ops` while training)."""
+        self.stats.ops = tuple(ops)
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+    def record(self, key: str, value=None, context: Optional[Dict] = None) -> None:
+        self.stats.add(key, value, (context or {}).get("micro_step"))
+
+    def collect(self, step: int) -> List[Record]:
+        records = []
+        for entry in self.stats.results():
+            for name, (shape, dtype), row in zip(entry.names, entry.layouts, entry.values.tolist()):
+                records.append(TensorStatsRecord(step, entry.micro_step, self.rank, entry.point, name,
+                                                 row, ops=entry.ops, shape=shape, dtype=dtype))
+        self.reset()
+        return records
+
+    def close(self) -> None:
+        self.reset()

@@ -1,0 +1,103 @@
+"""msprobe's CSV files for tensor statistics (layout in mindmon/formats/msprobe_csv.py).
+
+Example:
+    sink = MsprobeCsvSink(ndigits=6, step_count_per_record=5)
+    sink.open(RunInfo(rank=0))          # names $MONITOR_OUTPUT_DIR/<MonDD_HH-MM-SS>-rank0-<id>/ (made at 1st write)
+    sink.write(records)                 # TensorStatsRecords; other records are not for this sink
+    sink.flush()
+"""
+import logging
+import os
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from mindmon.engine import RunInfo, Sink
+from mindmon.formats import msprobe_csv as fmt
+from mindmon.records import TensorStatsRecord
+
+logger = logging.getLogger("mindmon")
+
+
+class MsprobeCsvSink(Sink):
+    """Writes `<prefix>_<first>-<last>.csv` files, appending each step's rows as they come; every file is
+    closed after each write, so what was written survives a crash."""
+
+    def __init__(self, root: Optional[str] = None, ndigits: int = 6, step_count_per_record: int = 1,
+                 significant_digits: bool = False, append_output: Tuple[str, ...] = ()):
+        self.root = root
+        self.ndigits = ndigits
+        self.step_count_per_record = step_count_per_record
+        self.significant_digits = significant_digits
+        self.append_output = tuple(append_output)
+        self.folder: Optional[str] = None
+        self._headers: Dict[str, List[str]] = {}   # path -> its header
+        self._warned = set()
+
+    @classmethod
+    def for_config(cls, config, root: Optional[str] = None) -> "MsprobeCsvSink":
+        """The CSV sink a TensorStatsConfig asks for, under `root` (None: msprobe's output root)."""
+        return cls(root, config.ndigits, config.step_count_per_record, config.significant_digits,
+                   config.append_output)
+
+    def reconfigure(self, config) -> None:
+        """A new configuration (dynamic on/off) formats the rows it writes from now on."""
+        self.ndigits, self.significant_digits = config.ndigits, config.significant_digits
+        self.step_count_per_record = config.step_count_per_record
+
+    def open(self, run: RunInfo) -> None:
+        root = self.root or fmt.output_root()
+        if self.append_output:
+            self.folder = fmt.find_run_folder(root, run.rank, *self.append_output)
+            if self.folder is None:
+                logger.warning("mindmon: append_output %s: no run folder of rank %d in that range under %s; "
+                               "writing a new one", list(self.append_output), run.rank, root)
+        if self.folder is None:
+            # Created at the first write: a run that stops before its first step leaves no empty folder.
+            self.folder = os.path.join(root, fmt.run_folder_name(run.rank))
+
+    def write(self, records: Sequence) -> None:
+        if self.folder is None:
+            self.open(RunInfo())
+        by_file = defaultdict(list)
+        paths: Dict[Tuple[str, int], str] = {}   # (kind, step) -> file: thousands of records share a few
+        for record in records:
+            if isinstance(record, TensorStatsRecord):
+                path = paths.get((record.kind, record.step))
+                if path is None:
+                    first, last = fmt.step_range(record.step - 1, self.step_count_per_record)
+                    path = paths[(record.kind, record.step)] = os.path.join(
+                        self.folder, fmt.file_name(record.kind, first, last))
+                by_file[path].append(record)
+        if by_file:
+            os.makedirs(self.folder, exist_ok=True)
+        for path, file_records in by_file.items():
+            columns = self._header(path, file_records)
+            fmt.write_text(path, columns, fmt.format_text(file_records, columns, self.ndigits,
+                                                          self.significant_digits))
+
+    def _header(self, path: str, records: Sequence[TensorStatsRecord]) -> List[str]:
+        """The file's header: read back from an existing file, else from the first rows it gets. Rows that
+        do not fit it (ops changed while training, per-micro-batch rows in a per-step file) are still
+        written aligned, the missing fields empty, and the mismatch is logged once per file."""
+        if path not in self._headers:
+            if os.path.exists(path):
+                self._headers[path] = fmt.read_header(path)
+            else:
+                micro = any(r.micro_step is not None for r in records)
+                self._headers[path] = fmt.header(records[0].ops, micro)
+        columns = self._headers[path]
+        if path in self._warned:
+            return columns
+        in_header = {}   # ops -> all of them in the header (thousands of records share one ops tuple)
+        for ops in {tuple(r.ops) for r in records}:
+            in_header[ops] = set(ops) <= set(columns)
+        misfit = [r for r in records if not in_header[tuple(r.ops)]
+                  or (r.micro_step is not None and fmt.MICRO_STEP not in columns)]
+        if misfit:
+            self._warned.add(path)
+            logger.warning("mindmon: %s: rows with ops %s do not fit its header %s; fields outside the "
+                           "header are left out", path, list(misfit[0].ops), columns)
+        return columns
+
+    def close(self) -> None:
+        self._headers.clear()

@@ -1,0 +1,139 @@
+"""`monitor.train_state`: per-parameter gradient norms per micro-step, micro-batch and device losses.
+
+Semantics (docs/semantics.md): micro-batch k contributes g_k = grad(loss_k / K); G_k = g_0 + ... + g_k is
+the gradient accumulated so far and A_k = |G_k| per parameter.
+    local_norm  at micro-step k = A_k - A_{k-1}   (A_{-1} = 0)
+    device_norm                 = A_{K-1}         (the gradient the optimizer gets, before clipping;
+                                                   with several ranks, the norm of the data-parallel mean)
+    micro_norm  at micro-step k = |g_k|           (JSONL only; msprobe's per-micro-batch gradient)
+    local_loss  at micro-step k = loss_k;  device_loss = mean_k loss_k
+`device_norm` forces the collection of the norms it needs; each switch filters its own output.
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from mindmon.config import ConfigError
+from mindmon.features.train_state.config import TrainStateConfig
+from mindmon.engine import Monitor
+from mindmon.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
+from mindmon.kernels.stats import MicroStepNorms, SquaredNorms, to_float
+
+
+@dataclass
+class GradientSnapshot:
+    """The gradients after one micro-step: the micro-batch's own and the accumulated ones,
+    both in the order of the parameter names given to the monitor."""
+
+    micro: Sequence
+    accumulated: Sequence
+    # Their squared norms when the training step already took them (CPU host buffer), else None.
+    squared_norms: Optional[MicroStepNorms] = None
+
+
+class TrainStateMonitor(Monitor):
+    """Collects `local_loss`, `local_norm`, `device_loss`, `device_norm` records for one step.
+
+    Example:
+        monitor = TrainStateMonitor(config, parameter_names, rank=0, on_host=True)
+        monitor.record("local_loss", loss, {"micro_step": 0})
+        monitor.record("local_norm", GradientSnapshot(grads, accumulated), {"micro_step": 0})
+        monitor.record("device_loss", mean_loss)
+        records = monitor.collect(step=1)
+    """
+
+    KEYS = (LOCAL_LOSS, LOCAL_NORM, DEVICE_LOSS, DEVICE_NORM)
+
+    def __init__(self, config: TrainStateConfig, parameter_names: Sequence[str], rank: int = 0,
+                 on_host: bool = True, norms: Optional[SquaredNorms] = None):
+        self.config = config
+        self.rank = rank
+        _check_filters_match(config, parameter_names)
+        want = [config.local_norm.matches(n) or config.device_norm.matches(n) for n in parameter_names]
+        # Filters are applied once, here, not per call.
+        self.indices = [i for i, wanted in enumerate(want) if wanted]
+        self.names = [parameter_names[i] for i in self.indices]
+        self._index_array = np.array(self.indices, dtype=np.int64)
+        self.local_mask = np.array([config.local_norm.matches(n) for n in self.names], dtype=bool)
+        self.device_mask = np.array([config.device_norm.matches(n) for n in self.names], dtype=bool)
+        self.collects_norms = bool(self.indices)
+        # `norms` lets a benchmark swap in another way of taking the same squared norms.
+        self._norms = norms if norms is not None else SquaredNorms(on_host)
+        self.reset()
+
+    def reset(self) -> None:
+        self._norms.clear()
+        self._losses: List = []
+        self._micro_steps: List[int] = []
+        self._device_loss = None
+
+    def record(self, key: str, value=None, context=None) -> None:
+        micro_step = (context or {}).get("micro_step")
+        if key == LOCAL_LOSS:
+            self._losses.append((micro_step, value))
+        elif key == LOCAL_NORM and self.collects_norms:
+            self._micro_steps.append(micro_step)
+            if value.squared_norms is not None:
+                self._put_squared_norms(micro_step, value.squared_norms)
+                return
+            self._norms.add(("accumulated", micro_step), [value.accumulated[i] for i in self.indices])
+            if self.config.local_norm.enabled and value.micro is value.accumulated:
+                # Micro-step 0: the micro-batch's gradient is the accumulated one; read it once.
+                self._norms.alias(("micro", micro_step), ("accumulated", micro_step))
+            elif self.config.local_norm.enabled:
+                self._norms.add(("micro", micro_step), [value.micro[i] for i in self.indices])
+        elif key == DEVICE_LOSS:
+            self._device_loss = value
+        elif key == DEVICE_NORM and value is not None and self.config.device_norm.enabled:
+            # Several ranks: the gradient the optimizer gets is the data-parallel mean, not A_{K-1}.
+            self._norms.add("reduced", [value[i] for i in self.indices])
+
+    def _put_squared_norms(self, micro_step: int, squared: MicroStepNorms) -> None:
+        self._norms.put(("accumulated", micro_step), squared.accumulated[self._index_array])
+        if self.config.local_norm.enabled:
+            self._norms.put(("micro", micro_step), squared.micro[self._index_array])
+
+    def collect(self, step: int) -> List[Record]:
+        records = []
+        if self.config.local_loss:
+            records += [self._record(step, k, LOCAL_LOSS, "loss", to_float(v)) for k, v in self._losses]
+        records += self._norm_records(step)
+        if self.config.device_loss and self._device_loss is not None:
+            records.append(self._record(step, None, DEVICE_LOSS, "loss", to_float(self._device_loss)))
+        self.reset()
+        return records
+
+    def _norm_records(self, step: int) -> List[Record]:
+        if not self._micro_steps:
+            return []
+        squared = self._norms.results()
+        records, previous = [], np.zeros(len(self.names))
+        for k in self._micro_steps:
+            accumulated = np.sqrt(squared[("accumulated", k)])
+            if self.config.local_norm.enabled:
+                increments = accumulated - previous
+                records += [self._record(step, k, LOCAL_NORM, n, float(v))
+                            for n, v, keep in zip(self.names, increments, self.local_mask) if keep]
+                records += [self._record(step, k, MICRO_NORM, n, float(v))
+                            for n, v, keep in zip(self.names, np.sqrt(squared[("micro", k)]), self.local_mask)
+                            if keep]
+            previous = accumulated
+        if self.config.device_norm.enabled:
+            device = np.sqrt(squared["reduced"]) if "reduced" in squared else previous
+            records += [self._record(step, None, DEVICE_NORM, n, float(v))
+                        for n, v, keep in zip(self.names, device, self.device_mask) if keep]
+        return records
+
+    def _record(self, step, micro_step, kind, name, value) -> Record:
+        return Record(step, micro_step, self.rank, kind, name, value)
+
+
+def _check_filters_match(config: TrainStateConfig, parameter_names: Sequence[str]) -> None:
+    """A substring that selects no parameter is almost always a typo: say so before step 1."""
+    for key in ("local_norm", "device_norm"):
+        for substring in getattr(config, key).substrings:
+            if not any(substring in name for name in parameter_names):
+                examples = ", ".join(list(parameter_names)[:4])
+                raise ConfigError(f"monitor.train_state.{key}: {substring!r} matches no trainable parameter; "
+                                  f"allowed: substrings of parameter names such as {examples}")

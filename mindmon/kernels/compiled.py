@@ -1,0 +1,238 @@
+"""The statistics loops and their compilation by numba: the one-pass loop over a numpy array and over
+memory at an address, the training step's gradient add with its norms, a gradient hook's add from an
+address. `mindmon.kernels.one_pass` is their API.
+
+The loops are plain Python (they also run as written with NUMBA_DISABLE_JIT=1). The address form is for
+tensors: a tensor's data pointer goes straight into the compiled code, where building a numpy array around
+it first (a ctypes buffer, `frombuffer`, two bit views) cost several times what the loop itself costs over
+a tensor of a few thousand elements. Imported on the first statistics a process takes (importing numba
+takes a second or two); the compiled code is cached on disk.
+
+Every loop and every function compiled from it are in this one file on purpose: numba keys each cached
+function on the file that defines it (its modification time and size), and a compiled function carries the
+loops it calls inside it. With the loops in another file, editing them left the cached functions of this
+one running the old loops until someone cleared the cache; here any edit invalidates them all.
+"""
+import ctypes
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic, overload
+
+
+# Elements per partial sum: 16 KiB of float32 stays in L1 while all five reductions read it.
+BLOCK = 4096
+
+
+def in_sums_precision(zero, value):
+    """`value` in the block sums' precision (`zero`'s type), before it is squared. Compiled, a float32 value
+    summed in float32 is taken as it is (`in_sums_precision_compiled` says so to numba): adding a 0 known only at run
+    time cost a sixth of the loop's time."""
+    return zero + value
+
+
+def one_pass_loop(values, signed, unsigned, eps, zero):
+    """The loop numba compiles (plain Python here, so it also runs as written with NUMBA_DISABLE_JIT=1).
+    Each block is read through slices, indexed from 0: indexed from `start`, the loop kept numba's check for
+    negative indices and was not vectorised on an AVX-512 Xeon (1.3 ns per element in cache; the same
+    indices as unsigned integers, which numba does not check, 0.24; slices 0.2-0.3: docs/performance.md)."""
+    total = squares = 0.0
+    small = 0
+    signed_max, unsigned_min, unsigned_max = signed[0], unsigned[0], unsigned[0]
+    for start in range(0, values.size, BLOCK):
+        end = min(start + BLOCK, values.size)
+        block, block_signed, block_unsigned = values[start:end], signed[start:end], unsigned[start:end]
+        block_total, block_squares, block_small = zero, zero, np.float32(0)   # 4096 counts exactly
+        for i in range(block.size):
+            value = block[i]
+            widened = in_sums_precision(zero, value)
+            block_total += widened
+            block_squares += widened * widened
+            block_small += np.float32(abs(value) < eps)
+            signed_max = max(block_signed[i], signed_max)
+            unsigned_min = min(block_unsigned[i], unsigned_min)
+            unsigned_max = max(block_unsigned[i], unsigned_max)
+        total += block_total
+        squares += block_squares
+        small += int(block_small)
+    extremes = np.empty(2, unsigned.dtype)   # [min, max] as bit patterns; separate stores: no int/uint mix
+    if unsigned_max >> np.uint8(8 * values.itemsize - 1):   # the sign bit: the most negative element
+        extremes[0] = unsigned_max
+    else:
+        extremes[0] = unsigned_min
+    if signed_max >= 0:
+        extremes[1] = signed_max
+    else:                                            # every element negative: the one nearest 0
+        extremes[1] = unsigned_min
+    minimum, maximum = extremes.view(values.dtype)
+    return total, squares, small, minimum, maximum
+
+
+def copy_or_add(total, micro, first):
+    """The loop `add_at` compiles (alone: it vectorises)."""
+    if first:
+        for i in range(total.size):
+            total[i] = micro[i]
+    else:
+        for i in range(total.size):
+            total[i] += micro[i]
+
+
+def copy_block(total, micro):
+    """`total[:] = micro`; the sum of squares (float32). A loop of its own: compiled alone, it vectorises."""
+    squares = np.float32(0)
+    for i in range(total.size):
+        value = micro[i]
+        total[i] = value
+        squares += value * value
+    return squares
+
+
+def add_block(total, micro):
+    """`total += micro`; the sums of squares of `total` after and of `micro` (float32)."""
+    accumulated, own = np.float32(0), np.float32(0)
+    for i in range(total.size):
+        value = micro[i]
+        new = total[i] + value
+        total[i] = new
+        accumulated += new * new
+        own += value * value
+    return accumulated, own
+
+
+def statistics_row_loop(found, size, codes, row, scalar=False) -> bool:
+    """`one_pass_loop`'s result as the statistics `codes` name, into `row`; False (nothing written) when a sum is
+    not finite. The arithmetic is `numpy_stats`' (compiled without fastmath: the same numbers). `scalar`: the
+    values are a 0-dim tensor's one element, summed in float64, so `id` (its value) is the sum, exactly."""
+    total, squares, small, minimum, maximum = found
+    if not (np.isfinite(total) and np.isfinite(squares)):
+        return False
+    for j in range(codes.size):
+        code = codes[j]
+        if code == 0:
+            row[j] = minimum + 0.0   # -0.0 becomes 0.0, as numpy's min/max of [0.0, -0.0] give
+        elif code == 1:
+            row[j] = maximum + 0.0
+        elif code == 2:
+            row[j] = total / size
+        elif code == 3:
+            row[j] = np.sqrt(squares)
+        elif code == 4:
+            row[j] = small / size
+        elif code == 5:
+            row[j] = 0.0             # a finite sum: no NaN
+        elif scalar:
+            row[j] = total           # `id`: a 0-dim tensor's value
+        else:
+            row[j] = np.nan          # `id` of a tensor with a dimension
+    return True
+
+
+# Reassociation lets the sums use vector lanes, nsz ignores the sign of a zero sum (no zero is kept from
+# them); no nnan/ninf: NaN and inf keep their meaning. Only the loop gets these: the statistics made
+# from its sums must be the numbers numpy_stats gives.
+FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
+
+
+def _jit(function, fastmath: bool = False):
+    options = dict(fastmath=FASTMATH if fastmath else False, nogil=True, boundscheck=False)
+    try:
+        return numba.njit(cache=True, **options)(function)
+    except RuntimeError:   # nowhere writable to cache it (read-only install, no home): compile per process
+        return numba.njit(cache=False, **options)(function)
+
+
+def _pointer_to(item):
+    """An intrinsic that makes an integer address a pointer to `item`s, which `numba.carray` takes."""
+    @intrinsic
+    def pointer(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(item)))
+        return types.CPointer(item)(types.intp), codegen
+    return pointer
+
+
+@overload(in_sums_precision, inline="always")
+def in_sums_precision_compiled(zero, value):
+    """The value itself where it already has the sums' type: no add of a run-time 0 in the loop."""
+    if zero == value:
+        return lambda zero, value: value
+    return lambda zero, value: zero + value
+
+
+array_loop = _jit(one_pass_loop, fastmath=True)
+_copy_block_loop = _jit(copy_block, fastmath=True)
+_add_block_loop = _jit(add_block, fastmath=True)
+
+
+def _add_and_squares(total, micro, first):
+    """`one_pass.add_and_squares`, block by block, calling the block loops compiled alone (with the loop
+    inline LLVM did not vectorise it: 2.5x slower than numpy's add)."""
+    accumulated = own = 0.0
+    for start in range(0, total.size, BLOCK):
+        end = min(start + BLOCK, total.size)
+        if first:
+            accumulated += _copy_block_loop(total[start:end], micro[start:end])
+        else:
+            block_accumulated, block_own = _add_block_loop(total[start:end], micro[start:end])
+            accumulated += block_accumulated
+            own += block_own
+    return accumulated, own
+
+
+add_and_squares = _jit(_add_and_squares)
+statistics_row = _jit(statistics_row_loop)
+_FLOAT32, _INT32, _UINT32 = (_pointer_to(item) for item in (types.float32, types.int32, types.uint32))
+
+
+def _float32_at(table, eps, small_size, codes, n_rows):
+    eps = np.float32(eps)   # what |x| < eps compares: eps in the data's precision
+    rows = np.full((n_rows, codes.size), np.nan)
+    redo = np.empty(table.size // 4, np.int64)
+    count = 0
+    for k in range(table.size // 4):
+        row, address, size, scalar = table[4 * k], table[4 * k + 1], table[4 * k + 2], table[4 * k + 3]
+        values = numba.carray(_FLOAT32(address), size)
+        signed, unsigned = numba.carray(_INT32(address), size), numba.carray(_UINT32(address), size)
+        if size <= small_size:   # summed in float64
+            found = array_loop(values, signed, unsigned, eps, 0.0)
+        else:                    # in float32 blocks
+            found = array_loop(values, signed, unsigned, eps, np.float32(0))
+        if not statistics_row(found, size, codes, rows[row], scalar != 0):
+            redo[count] = k
+            count += 1
+    return rows, redo[:count]
+
+
+def _python_float32_at(table, eps, small_size, codes, n_rows):
+    """`_float32_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
+    eps = np.float32(eps)
+    rows = np.full((n_rows, codes.size), np.nan)
+    redo = []
+    for k, (row, address, size, scalar) in enumerate(table.reshape(-1, 4).tolist()):
+        values = np.frombuffer((ctypes.c_char * (size * 4)).from_address(address), np.float32)
+        zero = np.float64(0) if size <= small_size else np.float32(0)
+        if not statistics_row_loop(one_pass_loop(values, values.view(np.int32), values.view(np.uint32), eps, zero),
+                               size, codes, rows[row], scalar != 0):
+            redo.append(k)
+    return rows, np.array(redo, np.int64)
+
+
+float32_at = _python_float32_at if numba.config.DISABLE_JIT else _jit(_float32_at)
+
+
+_copy_or_add_loop = _jit(copy_or_add, fastmath=True)
+
+
+def _add_at(total, address, first):
+    _copy_or_add_loop(total, numba.carray(_FLOAT32(address), total.size), first)
+
+
+def _python_add_at(total, address, first):
+    """`_add_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
+    micro = np.frombuffer((ctypes.c_char * (total.size * 4)).from_address(address), np.float32)
+    copy_or_add(total, micro, first)
+
+
+add_at = _python_add_at if numba.config.DISABLE_JIT else _jit(_add_at)
