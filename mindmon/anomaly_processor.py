@@ -1,5 +1,5 @@
 """`python -m mindmon.anomaly_processor -d DIR [-o OUT] [-k 8] [-s STEP_LIST]`: msprobe's anomaly
-analyser flags, mindmon's ordering (see mindmon/alerts/analyse.py and docs/alerts.md)."""
+analyser flags, mindmon's ordering (see mindmon/features/alerts/analyse.py and docs/alerts.md)."""
 import argparse
 import sys
 

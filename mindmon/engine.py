@@ -100,9 +100,11 @@ class Sink(abc.ABC):
         if "close" in vars(cls):
             cls.close = _closed_once(cls.close)
 
+    _sink_closed = False   # set by close(); a class default, so subclasses need not call __init__ here
+
     @property
     def closed(self) -> bool:
-        return self.__dict__.get("_sink_closed", False)
+        return self._sink_closed
 
     def open(self, run: RunInfo) -> None:
         pass
@@ -115,7 +117,7 @@ class Sink(abc.ABC):
         pass
 
     def close(self) -> None:
-        self.__dict__["_sink_closed"] = True
+        self._sink_closed = True
 
 
 def _refused_after_close(write):
@@ -142,7 +144,7 @@ def _closed_once(close):
         try:
             return close(self)
         finally:
-            self.__dict__["_sink_closed"] = True
+            self._sink_closed = True
 
     once.checks_closed = True
     once.__doc__, once.__name__, once.__qualname__ = close.__doc__, close.__name__, close.__qualname__
@@ -171,6 +173,9 @@ class Feature:
     build: Optional[Callable[[Any, Any], None]] = None
     # (the MonitorGroup, its section, the logger) -> the trainer callbacks it needs besides the group's.
     callbacks: Optional[Callable[[Any, Any, Any], list]] = None
+    # The smallest training config that switches it on: docs, and the contract tests that build every
+    # registered feature from it.
+    example: Optional[dict] = None
 
 
 class CombinedActions:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from mindmon.config import MindmonConfig
 from mindmon.distributed import DataParallel
-from mindmon.engine import CombinedActions, Monitor, Sink
+from mindmon.engine import CombinedActions, Feature, Monitor, Sink
 from mindmon.features import FEATURES, section_of
 from mindmon.group import MonitorGroup
 
@@ -95,8 +95,8 @@ def _own_outputs(build: Build) -> List[Sink]:
 
 def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = (), rank: Optional[int] = None,
           logger=None, on_host: Optional[bool] = None, data_parallel: Optional[DataParallel] = None,
-          optimizer=None, global_batch_size: Optional[int] = None, outputs: Optional[Sequence[Sink]] = None
-          ) -> Build:
+          optimizer=None, global_batch_size: Optional[int] = None, outputs: Optional[Sequence[Sink]] = None,
+          features: Sequence[Feature] = FEATURES) -> Build:
     """Every feature's parts for one rank. `outputs`: the sinks a front door writes to instead of the
     run's log lines, JSONL and TensorBoard (msprobe's CSV, kj600's TensorBoard)."""
     data_parallel = data_parallel or DataParallel(config.monitor.data_parallel_group)
@@ -104,7 +104,7 @@ def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = ()
     result = Build(config, model, parameter_names, rank, logger or default_logger(rank, data_parallel.active),
                    data_parallel, optimizer, global_batch_size, outputs is None, on_host)
     feature_sinks: List[Sink] = []
-    for feature in FEATURES:
+    for feature in features:
         section = section_of(config, feature)
         if feature.build is not None and section is not None:   # None: absent from this config
             result.sinks = []
@@ -129,14 +129,14 @@ def group_of(built: Build) -> MonitorGroup:
     return MonitorGroup(built.monitors, built.sinks, built.rank, built.logger, actions)
 
 
-def build_callbacks(group: MonitorGroup, config: MindmonConfig) -> list:
+def build_callbacks(group: MonitorGroup, config: MindmonConfig, features: Sequence[Feature] = FEATURES) -> list:
     """The trainer callbacks: one that flushes the group at every step end (when it has monitors,
     or TensorBoard alone, which still gets the trainer's loss / lr / grad norm), and those the
     features ask for (the profiler's)."""
-    from mindmon.callbacks import MonitorCallback
+    from mindmon.trainer_callbacks import MonitorCallback
 
     callbacks = [MonitorCallback(group)] if group.active or config.monitor.tensorboard.enabled else []
-    for feature in FEATURES:
+    for feature in features:
         section = section_of(config, feature)
         if feature.callbacks is not None and section is not None:
             callbacks += feature.callbacks(group, section, group.logger)

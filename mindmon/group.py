@@ -176,12 +176,18 @@ class MonitorGroup:
     def _guard(self, monitor: Monitor, method, *args):
         try:
             return method(*args)
-        except Exception:
-            self.logger.exception("mindmon: %s failed and is switched off; training goes on, "
-                                  "records already written are kept", type(monitor).__name__)
-            if monitor in self.monitors:
-                self.monitors.remove(monitor)
+        except Exception as error:
+            self.switch_off(monitor, error)
             return None
+
+    def switch_off(self, monitor: Monitor, error: BaseException) -> None:
+        """The one failure policy for a monitor, and for the hooks that feed it: logged once, with why,
+        and switched off; training goes on and the records already written are kept."""
+        if monitor not in self.monitors:
+            return
+        self.logger.error("mindmon: %s failed and is switched off; training goes on, records already written "
+                          "are kept", type(monitor).__name__, exc_info=(type(error), error, error.__traceback__))
+        self.monitors.remove(monitor)
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The numpy view built from a CPU tensor's data pointer (mindmon/stats.py): the same elements as
+"""The numpy view built from a CPU tensor's data pointer (mindmon/kernels/stats.py): the same elements as
 asnumpy() for every dtype and layout it accepts, None for those it leaves to asnumpy()."""
 import math
 

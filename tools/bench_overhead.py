@@ -185,7 +185,7 @@ def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[d
     from mindmon import build_group, parse_sections
     from mindmon.factory import build_sinks
     from mindmon.group import MonitorGroup
-    from mindmon.monitors import TrainStateMonitor
+    from mindmon.features import TrainStateMonitor
 
     logger = _file_logger(name, out_dir / name / "info.log")
     callbacks = [{"type": "MaxLogitsMonitor", "step_interval": 1}] if max_logits else []

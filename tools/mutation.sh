@@ -3,7 +3,7 @@
 # the tests that reach the mutated function; on two cores the default set takes hours).
 #
 #   tools/mutation.sh                                   # the whole numeric core
-#   tools/mutation.sh mindmon/stats.py mindmon/monitors/train_state.py
+#   tools/mutation.sh mindmon/kernels/stats.py mindmon/features/train_state/monitor.py
 #
 # Runs in a scratch copy ($MUTATION_DIR, default /tmp/mindmon-mutation), so the working tree is never
 # touched; prints the surviving mutants and the kill rate. Inspect a survivor with
@@ -21,35 +21,36 @@ SCRATCH="${MUTATION_DIR:-/tmp/mindmon-mutation}"
 # The fast test files that check each module's numbers (the msrun test for distributed.py is slow).
 tests_for() {
   case "$1" in
-    mindmon/stats.py) echo "tests/test_stats.py tests/test_direct_view.py tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_paths.py" ;;
+    mindmon/kernels/stats.py) echo "tests/test_stats.py tests/test_direct_view.py tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_paths.py" ;;
     mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_values.py tests/test_stats.py tests/test_step_paths.py" ;;
-    mindmon/monitors/train_state.py) echo "tests/test_train_state_values.py" ;;
-    mindmon/monitors/moe_tokens.py) echo "tests/test_moe_tokens_values.py tests/test_moe_tokens.py tests/test_probes.py" ;;
-    mindmon/one_pass.py) echo "tests/test_one_pass.py tests/test_tensor_stats_ops.py" ;;
-    mindmon/monitors/tensor_stats.py) echo "tests/test_tensor_stats_ops.py tests/test_one_pass.py tests/test_msprobe_tensor_stats.py tests/test_direct_view.py tests/test_msprobe_trainer_mon.py" ;;
+    mindmon/features/train_state/monitor.py) echo "tests/test_train_state_values.py" ;;
+    mindmon/features/moe_tokens/monitor.py) echo "tests/test_moe_tokens_values.py tests/test_moe_tokens.py tests/test_probes.py" ;;
+    mindmon/kernels/one_pass.py|mindmon/kernels/compiled.py) echo "tests/test_one_pass.py tests/test_tensor_stats_ops.py" ;;
+    mindmon/features/tensor_stats/monitor.py) echo "tests/test_tensor_stats_ops.py tests/test_one_pass.py tests/test_msprobe_tensor_stats.py tests/test_direct_view.py tests/test_msprobe_trainer_mon.py" ;;
     mindmon/compat.py) echo "tests/test_compat.py tests/test_msprobe_csv.py" ;;
-    mindmon/msprobe/accumulate.py) echo "tests/test_gradient_sums.py tests/test_msprobe_trainer_mon.py tests/test_direct_view.py tests/test_dynamic_on_off.py" ;;
-    mindmon/msprobe/activations.py) echo "tests/test_activations.py tests/test_activations_yaml.py" ;;
+    mindmon/features/tensor_stats/accumulate.py) echo "tests/test_gradient_sums.py tests/test_msprobe_trainer_mon.py tests/test_direct_view.py tests/test_dynamic_on_off.py" ;;
+    mindmon/features/tensor_stats/activations.py) echo "tests/test_activations.py tests/test_activations_yaml.py" ;;
     mindmon/formats/msprobe_csv.py) echo "tests/test_msprobe_csv.py tests/test_msprobe_trainer_mon.py tests/test_activations.py" ;;
-    mindmon/monitors/max_attention_logit.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
+    mindmon/features/max_logits/monitor.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
     mindmon/distributed.py) echo "tests/test_distributed_collectives.py" ;;
-    mindmon/probes/max_logits.py) echo "tests/test_max_logit_probe_values.py tests/test_probes_gqa.py tests/test_probes.py" ;;
-    mindmon/probes/*) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
+    mindmon/features/max_logits/probe.py) echo "tests/test_max_logit_probe_values.py tests/test_probes_gqa.py tests/test_probes.py" ;;
+    mindmon/features/moe_tokens/probe.py) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
   esac
 }
 
 cd "$REPO"
 if [ "$#" -eq 0 ]; then
-  set -- mindmon/stats.py mindmon/step.py mindmon/distributed.py mindmon/monitors/train_state.py \
-    mindmon/monitors/moe_tokens.py mindmon/monitors/max_attention_logit.py mindmon/probes/*.py
+  set -- mindmon/kernels/stats.py mindmon/step.py mindmon/distributed.py mindmon/features/train_state/monitor.py \
+    mindmon/features/moe_tokens/monitor.py mindmon/features/max_logits/monitor.py mindmon/features/max_logits/probe.py \
+    mindmon/features/moe_tokens/probe.py
 fi
 modules=() tests=()
 for module in "$@"; do
   [ -f "$module" ] || { echo "tools/mutation.sh: $module: no such file" >&2; exit 2; }
   modules+=("$module")
   # numba cannot compile mutmut's trampoline; with the JIT off njit returns it and it runs as Python
-  [ "$module" != mindmon/one_pass.py ] || export NUMBA_DISABLE_JIT=1
+  case "$module" in mindmon/kernels/one_pass.py|mindmon/kernels/compiled.py) export NUMBA_DISABLE_JIT=1 ;; esac
   module_tests="$(tests_for "$module")"   # an unknown module stops the script here
   module_tests="${MUTATION_TESTS:-$module_tests}"
   for t in $module_tests; do

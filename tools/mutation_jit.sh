@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decides mutants that only numba's compiler can judge (the options of `numba.njit` in
-# mindmon/one_pass.py `_compiled`): with NUMBA_DISABLE_JIT=1, which the mutation tools need, numba
+# mindmon/kernels/one_pass.py `_compiled`): with NUMBA_DISABLE_JIT=1, which the mutation tools need, numba
 # ignores those options, and with the JIT on it cannot compile mutmut's trampoline. So each mutant's
 # diff is applied to a plain copy of the repository and the tests run there with the JIT on.
 #

@@ -1,6 +1,5 @@
 """Where records go: log lines in the documented formats, and a lossless per-rank JSONL file."""
 from mindmon.sinks.jsonl import JsonlSink
 from mindmon.sinks.log import LogSink
-from mindmon.features.moe_tokens.sink import MegatronTokensPerExpertSink
 
-__all__ = ["JsonlSink", "LogSink", "MegatronTokensPerExpertSink"]
+__all__ = ["JsonlSink", "LogSink"]

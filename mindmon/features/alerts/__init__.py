@@ -35,4 +35,5 @@ def build(build, section: AlertConfig) -> None:
     build.add_actions(actions)
 
 
-FEATURE = Feature("alert", "monitor.alert", parse=_parse, build=build)
+FEATURE = Feature("alert", "monitor.alert", parse=_parse, build=build,
+                  example={"monitor": {"alert": {"rules": [{"rule_name": "AnomalyNan"}], "dump": True}}})

@@ -14,5 +14,6 @@ def build(build, section: MaxLogitsSection) -> None:
                                                    build.data_parallel if build.cross_rank else None, build.logger))
 
 
-FEATURE = Feature("max_logits", "callbacks", parse=MaxLogitsSection.parse, build=build)
+FEATURE = Feature("max_logits", "callbacks", parse=MaxLogitsSection.parse, build=build,
+                  example={"callbacks": [{"type": MAX_LOGITS_CALLBACK, "step_interval": 1}]})
 __all__ = ["FEATURE", "MAX_LOGITS_CALLBACK", "MaxLogitsSection"]

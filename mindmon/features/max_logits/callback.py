@@ -1,6 +1,6 @@
 """MaxLogitsMonitor: the `callbacks:` entry that asks for the max attention logit per layer and head."""
 from mindmon.features.max_logits.config import check_step_interval
-from mindmon.callbacks.base import TrainerCallback
+from mindmon.trainer_callbacks import TrainerCallback
 
 
 class MaxLogitsMonitor(TrainerCallback):

@@ -21,4 +21,5 @@ def build(build, section: MoEMonitorConfig) -> None:
         build.sinks.append(MegatronTokensPerExpertSink(build.config.monitor.output_dir))
 
 
-FEATURE = Feature("moe_monitor", "monitor.moe_monitor", parse=MoEMonitorConfig.parse, build=build)
+FEATURE = Feature("moe_monitor", "monitor.moe_monitor", parse=MoEMonitorConfig.parse, build=build,
+                  example={"monitor": {"moe_monitor": {"save_tokens_per_expert_interval": 1}}})

@@ -5,4 +5,7 @@ from mindmon.engine import Feature
 from mindmon.features.monitor_config.build import build
 from mindmon.features.monitor_config.config import apply_monitor_config
 
-FEATURE = Feature("monitor_config", translate=apply_monitor_config, build=build)
+FEATURE = Feature("monitor_config", translate=apply_monitor_config, build=build,
+                  example={"monitor_config": {"monitor_on": True, "local_loss_format": "log",
+                                              "weight_state_format": "log", "check_for_global_norm": True,
+                                              "global_norm_spike_threshold": 10.0}})

@@ -63,7 +63,7 @@ class StableRankMonitor(Monitor):
 
     def _of(self, name: str, weight: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(stable rank, largest eigenvalue of WᵀW) per matrix: `power_iteration_num` rounds of the
-        L2 features' power iteration (mindmon/monitors/l2_features.py), warm-started per matrix."""
+        L2 features' power iteration (mindmon/features/l2/monitor.py), warm-started per matrix."""
         matrices = weight.astype(np.float32).reshape((-1,) + weight.shape[-2:])
         starts = self._vectors.get(name) or [None] * len(matrices)
         eigen, vectors = [], []

@@ -7,7 +7,7 @@ from typing import Optional
 
 from mindmon.features.profiler.config import ProfilerConfig
 from mindmon.formats import layout
-from mindmon.callbacks.base import TrainerCallback
+from mindmon.trainer_callbacks import TrainerCallback
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ _DEFAULTS = {
     "monitor_mbs_grad": False, "ops": [], "eps": 1e-8, "ndigits": 6, "start_step": 0, "step_interval": 1,
     "collect_times": 100000000, "module_ranks": [], "format": "csv", "step_count_per_record": 1,
     "squash_name": False, "append_output": [], "significant_digits": False,
-    # Activations, module structure, stack capture and dynamic on/off (mindmon/msprobe/activations.py).
+    # Activations, module structure, stack capture and dynamic on/off (mindmon/features/tensor_stats/activations.py).
     "xy_distribution": False, "all_xy": False, "forward_only": False, "backward_only": False,
     "print_struct": False, "stack_info": False, "dynamic_on": False,
 }

@@ -57,8 +57,8 @@ class TensorStatsHooks:
                  on_step_end: Optional[Callable[[int], None]] = None, params_have_main_grad: bool = True,
                  rank: int = 0, on_host: bool = True, recorder=None):
         self.config, self.monitor = config, monitor
-        # Where the hooks record: the group (which stops feeding a monitor it dropped), else the monitor.
-        self.recorder = recorder if recorder is not None else monitor
+        # Where the hooks record and report failures: the group (which stops feeding a monitor it dropped).
+        self.recorder = recorder
         self.l2_monitor, self.cc_monitor, self.csv_sink = l2_monitor, cc_monitor, csv_sink
         self.run_folder = run_folder or (lambda: os.path.join(csv_output_root(), "stack_info"))
         self.watcher, self.on_step_end = watcher, on_step_end
@@ -69,6 +69,7 @@ class TensorStatsHooks:
         self.moments = None
         self.keep_grads: Dict[int, bool] = {}
         self.running = self.collecting = False
+        self.failed = False                  # a hook failed: switched off for good
         self.gradient_sums = GradientSums(on_host, config.monitor_mbs_grad, self._record_micro_gradient)
         self.micro_steps = MicroSteps()
         self.hooked_cells = 0
@@ -117,7 +118,7 @@ class TensorStatsHooks:
         self.detach_capabilities()
         self.config = config
         self.selected, self.moments, self.keep_grads = plan["selected"], plan["moments"], plan["keep_grads"]
-        self.running = config.active and config.selects_rank(self.rank)
+        self.running = config.active and config.selects_rank(self.rank) and not self.failed
         if not self.running:
             return
         self.set_ops(config.ops)
@@ -230,6 +231,8 @@ class TensorStatsHooks:
     def _after_update(self, cell, inputs, output) -> None:
         if self.collecting:
             self._guard(self._finish_step)
+        if self.failed:
+            self.detach_capabilities()
         self._end_step_hooks()
         self.step += 1
         self.gradient_sums.clear()
@@ -364,14 +367,15 @@ class TensorStatsHooks:
     # --- failures -------------------------------------------------------------------------------------
 
     def _guard(self, function, *args) -> None:
-        """A monitoring failure is logged once and training goes on; what was written stays."""
+        """A hook that fails switches its monitor off by the group's one policy (logged once, training goes
+        on, what was written stays); the hooks stop collecting now and are detached at the step's end."""
         try:
             function(*args)
         except Exception as error:  # noqa: BLE001 - the training must not die of its monitor
-            self._warn_once("failure", "mindmon: TrainerMon failed at step %d and collects no more in this step: "
-                            "%s: %s", self.step, type(error).__name__, error)
-            self.collecting = False
+            self.collecting = self.running = False
+            self.failed = True
             self.monitor.reset()
+            self.recorder.switch_off(self.monitor, error)
 
     def _warn_once(self, key, message: str, *args) -> None:
         if key not in self._warned:

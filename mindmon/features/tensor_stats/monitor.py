@@ -8,7 +8,7 @@ The statistics, all of the tensor flattened:
     nans       number of NaN elements
     id         the value of a 0-dim tensor; NaN for any other
 
-On CPU they are taken right away, in one compiled pass over the tensor's memory (`mindmon/one_pass.py`;
+On CPU they are taken right away, in one compiled pass over the tensor's memory (`mindmon/kernels/one_pass.py`;
 with synchronous execution from the data pointer, else through `asnumpy()`, a view). A float32 tensor
 of more than 4096 elements is summed in float32 blocks added in float64 (relative error about 1e-7, the
 precision of the data), anything smaller in float64.

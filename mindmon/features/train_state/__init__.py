@@ -10,4 +10,6 @@ def build(build, section: TrainStateConfig) -> None:
         build.add_monitor(TrainStateMonitor(section, build.parameter_names, build.rank, build.on_host))
 
 
-FEATURE = Feature("train_state", "monitor.train_state", parse=TrainStateConfig.parse, build=build)
+FEATURE = Feature("train_state", "monitor.train_state", parse=TrainStateConfig.parse, build=build,
+                  example={"monitor": {"train_state": {"local_norm": True, "local_loss": True, "device_norm": True,
+                                                                "device_loss": True}}})

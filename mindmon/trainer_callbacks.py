@@ -1,5 +1,36 @@
-"""MonitorCallback: flushes the MonitorGroup at every step end."""
-from mindmon.callbacks.base import TrainerCallback
+"""The MindFormers TrainerCallback events, without importing MindFormers (the core must not), and the
+callback that flushes a MonitorGroup at every step end. Features that need a trainer callback subclass
+`TrainerCallback`; `mindmon.callbacks` is their public face."""
+
+
+class TrainerCallback:
+    """Every event is a no-op; MindFormers' CallbackHandler calls them by name with
+    `(args, state, **kwargs)`, kwargs carrying model, optimizer, lr_scheduler, datasets and, at
+    step end, `loss` and `grad_norm`."""
+
+    def on_begin(self, args, state, **kwargs):
+        pass
+
+    def on_end(self, args, state, **kwargs):
+        pass
+
+    def on_train_begin(self, args, state, **kwargs):
+        pass
+
+    def on_train_end(self, args, state, **kwargs):
+        pass
+
+    def on_epoch_begin(self, args, state, **kwargs):
+        pass
+
+    def on_epoch_end(self, args, state, **kwargs):
+        pass
+
+    def on_step_begin(self, args, state, **kwargs):
+        pass
+
+    def on_step_end(self, args, state, **kwargs):
+        pass
 
 
 class MonitorCallback(TrainerCallback):
