@@ -42,14 +42,14 @@ def max_logits_interval(config: MindmonConfig) -> Optional[int]:
 
 
 def build_monitors(config: MonitorConfig, model, parameter_names: Sequence[str], rank: int, on_host: bool,
-                   data_parallel: DataParallel, logger, max_logits_every: Optional[int]) -> List[Monitor]:
+                   data_parallel: DataParallel, logger, max_logits_every: Optional[int], layout=None) -> List[Monitor]:
     from .monitors import MaxAttentionLogitMonitor, MoETokensMonitor, TrainStateMonitor
 
     monitors: List[Monitor] = []
     # Cross-rank values need every rank in the collective: only when all ranks collect.
     cross_rank = data_parallel.active and config.ranks is None
     if config.train_state.active:
-        monitors.append(TrainStateMonitor(config.train_state, parameter_names, rank, on_host))
+        monitors.append(TrainStateMonitor(config.train_state, parameter_names, rank, on_host, layout=layout))
     if config.moe_monitor.active:
         if model is None:
             raise ConfigError("monitor.moe_monitor: save_tokens_per_expert_interval is set but no model was "
@@ -61,21 +61,22 @@ def build_monitors(config: MonitorConfig, model, parameter_names: Sequence[str],
         monitors.append(TensorStatsMonitor(config.tensor_stats.ops, config.tensor_stats.eps, on_host, rank))
     if max_logits_every is not None and model is not None:
         monitors.append(MaxAttentionLogitMonitor(model, max_logits_every, rank,
-                                                 data_parallel if cross_rank else None, logger))
+                                                 data_parallel if cross_rank else None, logger, layout))
     return monitors
 
 
-def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Optional[DataParallel] = None):
-    """(sinks, alert actions or None)."""
+def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Optional[DataParallel] = None,
+                layout=None):
+    """(sinks, alert actions or None). With a parallel layout, the JSONL lines carry the rank's coordinates."""
     from .sinks import JsonlSink, LogSink, MegatronTokensPerExpertSink
 
     section = config.monitor_config if config.monitor_config is not None and config.monitor_config.active else None
     if section is not None:
         from .sinks.training_state import TrainingStateLogSink
 
-        sinks: List[Sink] = [TrainingStateLogSink(logger, section), JsonlSink(config.output_dir)]
+        sinks: List[Sink] = [TrainingStateLogSink(logger, section), JsonlSink(config.output_dir, layout=layout)]
     else:
-        sinks = [LogSink(logger), JsonlSink(config.output_dir)]
+        sinks = [LogSink(logger), JsonlSink(config.output_dir, layout=layout)]
     if config.tensorboard.enabled:
         from .sinks.tensorboard import TensorBoardSink, record_tags
         from .sinks.training_state import tensorboard_tags
@@ -104,14 +105,20 @@ def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Opt
 def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, parameter_names: Sequence[str] = (),
                 rank: Optional[int] = None, logger=None, on_host: Optional[bool] = None,
                 data_parallel: Optional[DataParallel] = None, optimizer=None,
-                global_batch_size: Optional[int] = None) -> MonitorGroup:
+                global_batch_size: Optional[int] = None, layout=None) -> MonitorGroup:
     """The MonitorGroup of one rank: the monitors the config switches on (none on a rank that
     `monitor.ranks` leaves out) and the sinks they write to. `optimizer` and `global_batch_size`
-    serve monitor_config's optimizer state and throughput."""
+    serve monitor_config's optimizer state and throughput. `layout` (mindmon.parallel): the rank's
+    place under model parallelism; give the same one to `AccumulatingTrainStep`."""
     from .stats import host_is_device
 
     full = config if isinstance(config, MindmonConfig) else MindmonConfig(monitor=config)
     monitor = full.monitor
+    if layout is not None:
+        from .parallel.layout import check_collecting_ranks
+
+        check_collecting_ranks(layout, monitor.ranks)
+        data_parallel = data_parallel or layout.data_parallel
     data_parallel = data_parallel or DataParallel(monitor.data_parallel_group)
     rank = data_parallel.rank if rank is None else rank
     logger = logger or default_logger(rank, data_parallel.active)
@@ -119,8 +126,9 @@ def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, paramet
     monitors = []
     if monitor.selects_rank(rank):
         on_host = host_is_device() if on_host is None and (monitor.active or every) else on_host
-        monitors = build_monitors(monitor, model, parameter_names, rank, on_host, data_parallel, logger, every)
-    sinks, actions = build_sinks(monitor, logger, rank, data_parallel)
+        monitors = build_monitors(monitor, model, parameter_names, rank, on_host, data_parallel, logger, every,
+                                  layout)
+    sinks, actions = build_sinks(monitor, logger, rank, data_parallel, layout)
     if monitor.monitor_config is not None and monitor.monitor_config.active:
         from .monitor_config.build import build_monitor_config
 
