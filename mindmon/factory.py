@@ -119,9 +119,10 @@ def build_group(config: Union[MindmonConfig, MonitorConfig], model=None, paramet
 
         check_collecting_ranks(layout, monitor.ranks)
         data_parallel = data_parallel or layout.data_parallel
+        rank = layout.rank if rank is None else rank
     data_parallel = data_parallel or DataParallel(monitor.data_parallel_group)
     rank = data_parallel.rank if rank is None else rank
-    logger = logger or default_logger(rank, data_parallel.active)
+    logger = logger or default_logger(rank, data_parallel.active or (layout is not None and layout.model_parallel))
     every = max_logits_interval(full)
     monitors = []
     if monitor.selects_rank(rank):

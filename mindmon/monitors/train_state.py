@@ -62,7 +62,7 @@ class TrainStateMonitor(Monitor):
         self._norms = norms if norms is not None else SquaredNorms(on_host)
         # Model parallelism: the norms are of full parameters (shards' squared norms summed over tp/cp,
         # mindmon.parallel), written by the first rank of those groups only.
-        self._shards = ShardedNorms(layout, self.names) if ShardedNorms.needed(layout) else None
+        self._shards = ShardedNorms(layout, self.names, self.indices, parameter_names) if ShardedNorms.needed(layout) else None
         self.writes_norms = layout is None or layout.writes_full_parameters
         self.reset()
 

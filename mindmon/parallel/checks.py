@@ -1,9 +1,8 @@
 """Does a layout add up? Run once, before step 1; every failure is one ConfigError naming what is wrong.
 
-The shard-shape check needs the other ranks' shapes: each rank sends the dimensions of its split
-parameters and their squares in one SUM all-reduce per split axis. Every rank of the group then sees
-the same sums; all dimensions are equal exactly when sum = n x own and sum of squares = n x own^2 on
-every rank (a spread of values has a variance), so every rank refuses together and none is left
+The shard-shape check needs the other ranks' shapes: each rank's count and checksum of the names of its
+split parameters, then their shapes, are gathered over each split axis (small integers, exact in
+float32). Every rank of the group sees the same rows, so every rank refuses together and none is left
 waiting in a collective.
 """
 import zlib
@@ -66,32 +65,20 @@ def _signature(layout, axis: str, by_name) -> tuple:
     return names, rows
 
 
-def _spread(group, rows: np.ndarray):
-    """(sums, sums of squares) of `rows` over the group, and whether every rank sent the same rows."""
-    from mindspore import Tensor
-
-    total, squares = group.sum([Tensor(np.stack([rows, rows ** 2]).astype(np.float32))])[0].asnumpy()
-    same = np.array_equal(total, group.size * rows) and np.array_equal(squares, group.size * rows ** 2)
-    return total, squares, same
-
-
 def _check_equal_shards(layout, axis: str, by_name, path: str) -> None:
     names, rows = _signature(layout, axis, by_name)
     group = layout.groups[axis]
     # First the count and checksum (a fixed size on every rank), then the shapes (a size that now agrees).
-    if not _spread(group, rows[-1:])[2]:
+    if not (group.gather(rows[-1]) == rows[-1].astype(np.float32)).all():
         raise ConfigError(f"{path}.{axis}: the parameters split over {axis} differ between its ranks (this rank "
                           f"has {len(names)}: {', '.join(names[:4])}); allowed: the same parameters, split the "
                           f"same way, on every rank of the {axis} group")
     if not names:
         return
-    total, squares, same = _spread(group, rows[:-1])
-    if same:
-        return
-    for name, row, row_total, row_squares in zip(names, rows, total, squares):
-        if not (np.array_equal(row_total, group.size * row) and np.array_equal(row_squares, group.size * row ** 2)):
-            shape = tuple(by_name[name].shape)
-            mean = tuple(float(t) / group.size for t in row_total[:len(shape)])
-            raise ConfigError(f"{path}.sharded[{name!r}]: this rank's shard has shape {shape}, another rank of the "
-                              f"{axis} group holds a different one (the group's mean shape is {mean}); allowed: "
-                              f"shards of one shape on every rank")
+    every = group.gather(rows[:-1]).reshape(group.size, *rows[:-1].shape)
+    for position, name in enumerate(names):
+        shapes = {tuple(int(d) for d in rank_rows[position] if d) for rank_rows in every}
+        if len(shapes) > 1:
+            raise ConfigError(f"{path}.sharded[{name!r}]: its shards differ in shape between the ranks of the "
+                              f"{axis} group ({', '.join(map(str, sorted(shapes)))}); allowed: shards of one "
+                              f"shape on every rank")

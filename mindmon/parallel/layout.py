@@ -48,6 +48,10 @@ class ParallelLayout:
     placements: Dict[str, Placement] = field(default_factory=dict)
     vpp_chunks: int = 1
     world_size: Optional[int] = None
+    rank: int = 0   # in the world: the rank_<r>/ folder of this process's files
+    # `Parameter.name` of the optimizer's parameters, in its order (with_parameters): the monitors' values
+    # come in that order, under the model's names, which may differ.
+    parameter_order: Optional[Tuple[str, ...]] = None
 
     def size(self, axis: str) -> int:
         group = self.groups.get(axis)
@@ -93,6 +97,14 @@ class ParallelLayout:
         placement = self.placement(name)
         return float(all(axis in placement.axes or self.index(axis) == 0 for axis in axes))
 
+    def norm_weights(self, axes: Sequence[str], names: Sequence[str]):
+        """`norm_weight` of every parameter, in the optimizer's order once `with_parameters` has read it
+        (else in the order of `names`)."""
+        import numpy as np
+
+        order = self.parameter_order if self.parameter_order is not None else names
+        return np.array([self.norm_weight(name, axes) for name in order], np.float64)
+
     def with_parameters(self, parameters: Sequence) -> "ParallelLayout":
         """Adds the placements read from Megatron's attributes where a parameter carries them (this layout,
         changed in place, so every monitor holding it sees them): a parameter with
@@ -110,6 +122,7 @@ class ParallelLayout:
                 read[parameter.name] = Placement(tuple(axes), getattr(parameter, MEGATRON_DIM, None)
                                                  if "tp" in axes else None)
         self.placements = {**read, **self.placements}
+        self.parameter_order = tuple(p.name for p in parameters)
         return self
 
     def check(self, parameters: Sequence, path: str = "layout") -> None:
@@ -156,7 +169,7 @@ def parallel_layout(dp: Optional[str] = None, tp: Optional[str] = None, pp: Opti
     """The layout from the names of groups the training script created (`create_group`); an axis left None
     has one rank, except `dp` when no axis is named at all (then the world is data parallel). `sharded`:
     see `parse_placements`. A group that does not exist is a ConfigError naming the axis."""
-    from mindspore.communication import GlobalComm, get_group_size
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
 
     named = {axis: name for axis, name in zip(AXES, (dp, tp, pp, ep, cp)) if name is not None}
     groups = {axis: _group(f"{path}.{axis}", name) for axis, name in named.items()}
@@ -164,8 +177,8 @@ def parallel_layout(dp: Optional[str] = None, tp: Optional[str] = None, pp: Opti
         groups["dp"] = DataParallel()
     if isinstance(vpp_chunks, bool) or not isinstance(vpp_chunks, int) or vpp_chunks < 1:
         raise ConfigError(f"{path}.vpp_chunks: got {vpp_chunks!r}; allowed: a positive int (model chunks per rank)")
-    world = int(get_group_size()) if GlobalComm.INITED else 1
-    return ParallelLayout(groups, parse_placements(sharded, f"{path}.sharded"), vpp_chunks, world)
+    world, rank = (int(get_group_size()), int(get_rank())) if GlobalComm.INITED else (1, 0)
+    return ParallelLayout(groups, parse_placements(sharded, f"{path}.sharded"), vpp_chunks, world, rank)
 
 
 def _group(path: str, name: str) -> DataParallel:

@@ -20,8 +20,10 @@ class ShardedNorms:
         shards.results([0, 1])                    # {("accumulated", 0): full squared norms, ...}
     """
 
-    def __init__(self, layout, names: Sequence[str]):
+    def __init__(self, layout, names: Sequence[str], indices: Sequence[int], all_names: Sequence[str]):
+        """`names`: the monitor's parameters, at `indices` of the optimizer's (`all_names`, the model's names)."""
         self.layout, self.names = layout, list(names)
+        self.indices, self.all_names = np.asarray(indices, np.int64), list(all_names)
         self._weights: Optional[np.ndarray] = None
         self.clear()
 
@@ -29,7 +31,7 @@ class ShardedNorms:
     def weights(self) -> np.ndarray:
         """Read at the first step, once the train step has added the parameters' own placements."""
         if self._weights is None:
-            self._weights = np.array([self.layout.norm_weight(n, PER_PARAMETER_AXES) for n in self.names])
+            self._weights = self.layout.norm_weights(PER_PARAMETER_AXES, self.all_names)[self.indices]
         return self._weights
 
     @staticmethod

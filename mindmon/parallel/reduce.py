@@ -55,7 +55,7 @@ class ModelParallelSums:
 
     def __init__(self, layout, names: Sequence[str]):
         self.layout = layout
-        self.weights = np.array([layout.norm_weight(n, SHARD_AXES) for n in names], np.float64)
+        self.weights = layout.norm_weights(SHARD_AXES, names)
         # A pipeline's micro-batch losses are known once the last stage has sent them.
         self.deferred_losses = layout.size("pp") > 1
 
