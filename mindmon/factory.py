@@ -54,7 +54,7 @@ def build_monitors(config: MonitorConfig, model, parameter_names: Sequence[str],
         if model is None:
             raise ConfigError("monitor.moe_monitor: save_tokens_per_expert_interval is set but no model was "
                               "given; pass model= so its MoE layers can be found")
-        monitors.append(MoETokensMonitor(config.moe_monitor, model, rank, on_host, logger, cross_rank))
+        monitors.append(MoETokensMonitor(config.moe_monitor, model, rank, on_host, logger, cross_rank, layout))
     if config.collects_tensor_stats and config.tensor_stats.selects_rank(rank):
         from .monitors.tensor_stats import TensorStatsMonitor
 

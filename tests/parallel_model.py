@@ -130,3 +130,50 @@ class PipelineStage(nn.Cell):
         zeros = ops.zeros((x.shape[0], x.shape[1], ref.PIPE_HIDDEN), ms.float32) + 0.0 * self.bias.sum()
         y = mint.matmul(self.exchange(zeros), self.weight) + self.bias
         return ((y - target) ** 2).mean()
+
+
+class ExpertParallelRouter(nn.Cell):
+    """A top-1 router (replicated) whose experts are placed over the expert-parallel ranks: every rank routes
+    its tokens, the counts reach the experts' ranks (an all-reduce over the group stands for the dispatch),
+    and `tokens_per_expert` counts the tokens this rank's experts received, cumulatively (MindFormers'
+    counter). Its loss, mean((x W)^2), trains the router."""
+
+    def __init__(self, weight, group, index: int):
+        super().__init__()
+        self.weight = Parameter(Tensor(weight.astype(np.float32)), name="router.weight")
+        self.local = ref.EXPERTS // ref.EP
+        self.start = index * self.local
+        self.tokens_per_expert = Parameter(Tensor(np.zeros(self.local, np.float32)), name="tokens_per_expert",
+                                           requires_grad=False)
+        self.reduce = ops.AllReduce(group=group)
+
+    def construct(self, x):
+        logits = mint.matmul(x, self.weight)
+        choice = ops.stop_gradient(logits).asnumpy().argmax(-1).reshape(-1)
+        mine = np.bincount(choice, minlength=ref.EXPERTS).astype(np.float32)
+        received = self.reduce(Tensor(mine)).asnumpy()[self.start:self.start + self.local]
+        ops.assign_add(self.tokens_per_expert, Tensor(received))
+        return (logits ** 2).mean()
+
+
+class _Layer(nn.Cell):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+
+class _Decoder(nn.Cell):
+    def __init__(self, mlp):
+        super().__init__()
+        self.layers = nn.CellList([_Layer(mlp)])
+
+
+class MoENet(nn.Cell):
+    """`decoder.layers.0.mlp` is the router, named as mindmon's MoE monitor finds MoE layers."""
+
+    def __init__(self, router):
+        super().__init__()
+        self.decoder = _Decoder(router)
+
+    def construct(self, x):
+        return self.decoder.layers[0].mlp(x)

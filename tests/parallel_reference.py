@@ -141,3 +141,25 @@ def train(forward, params: dict, steps, dp: int, k: int, lr: float, max_norm: fl
         out["params"] = {n: v.copy() for n, v in p.items()}
         history.append(out)
     return history
+
+
+EXPERTS, EP = 4, 2
+
+
+def router_weight(seed: int = 17) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((H, EXPERTS))
+
+
+def router_tokens(rank: int, step: int, rows: int) -> np.ndarray:
+    return np.random.default_rng(100 + 10 * step + rank).standard_normal((rows, S, H))
+
+
+def routed(weight: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Tokens per expert when each token goes to its top-1 expert."""
+    return np.bincount((tokens @ weight).argmax(-1).reshape(-1), minlength=EXPERTS)
+
+
+def router_gradient(weight: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """d mean((x W)^2) / d W."""
+    flat = tokens.reshape(-1, H)
+    return 2 * flat.T @ (flat @ weight) / (flat.shape[0] * EXPERTS)

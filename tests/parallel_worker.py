@@ -4,6 +4,8 @@ under a mindmon layout and leaves, per rank, mindmon's outputs and its final par
     parallel_worker.py tp OUT     TP=2 x DP=2 (Megatron's rank order: ranks 0, 1 are the tp group of replica 0)
     parallel_worker.py pp OUT     PP=2 x DP=2 (ranks 0, 1 run stage 0; 2, 3 stage 1)
 
+After `tp`, an expert-parallel router (EP=2 within DP=4) writes to OUT-ep.
+
 Then it checks, on the same groups, that layouts which do not add up are refused, and prints each refusal.
 """
 import sys
@@ -62,6 +64,28 @@ def train(mode: str, out: str) -> None:
     np.savez(f"{out}/params_rank{layout_rank()}.npz", **{p.name: p.asnumpy() for p in net.trainable_params()})
 
 
+def train_experts(out: str) -> None:
+    """EP=2 inside DP=4: tokens per expert of every expert, and the router's global norm counted once."""
+    from mindspore import Tensor, nn
+
+    from mindmon import AccumulatingTrainStep, build_group, parameter_names, parse_sections, split_batch
+    from mindmon.parallel import megatron_layout
+    from parallel_model import ExpertParallelRouter, MoENet
+
+    layout = megatron_layout(ep=2)
+    net = MoENet(ExpertParallelRouter(ref.router_weight(), layout.groups["ep"].group, layout.index("ep")))
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.0)   # the routing stays that of the reference
+    config = parse_sections({"monitor": {"output_dir": out, "moe_monitor": {"save_tokens_per_expert_interval": 1}}})
+    group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer), layout=layout)
+    train_step = AccumulatingTrainStep(net, optimizer, K, group, max_norm=0.0, layout=layout)
+    group.setup(max_steps=STEPS)
+    for step in range(1, STEPS + 1):
+        tokens = Tensor(ref.router_tokens(layout_rank(), step, K * ROWS).astype(np.float32))
+        loss, grad_norm = train_step(split_batch((tokens,), K))
+        group.flush(step, loss=loss, grad_norm=grad_norm)
+    group.close()
+
+
 def layout_rank() -> int:
     from mindspore.communication import get_rank
 
@@ -108,6 +132,8 @@ def main() -> int:
     mode, out = sys.argv[1], sys.argv[2]
     train(mode, out)
     refusals(mode)
+    if mode == "tp":
+        train_experts(out + "-ep")
     print(f"parallel_worker rank {layout_rank()}: done", flush=True)
     return 0
 

@@ -187,3 +187,39 @@ def test_pp_norms_per_stage_and_global_over_both_stages(pp_run):
         for name, value in params[rank].items():
             assert ref.PIPE_STAGE[name] == stage
             _close(value, history[-1]["params"][name])
+
+
+def _ep_records(tp_run):
+    run = tp_run[0]
+    return {r: read_jsonl(run.parent / "run-ep" / f"rank_{r}" / "metrics.jsonl") for r in range(RANKS)}
+
+
+def test_ep_tokens_per_expert_cover_every_expert(tp_run):
+    """EP=2 within DP=4: each rank counts its 2 experts' tokens; every rank writes all 4 experts' counts,
+    those of the tokens of its expert-parallel group (ranks 0, 1 and ranks 2, 3)."""
+    records, weight = _ep_records(tp_run), ref.router_weight()
+    for rank in range(RANKS):
+        mates = (0, 1) if rank < 2 else (2, 3)
+        per_micro_step = _values(records[rank], "tokens_per_expert")
+        step_totals = _values(records[rank], "tokens_per_expert_step")
+        for step in range(1, worker.STEPS + 1):
+            tokens = {m: ref.router_tokens(m, step, worker.K * worker.ROWS) for m in mates}
+            total = np.zeros(ref.EXPERTS, np.int64)
+            for k in range(worker.K):
+                rows = slice(k * worker.ROWS, (k + 1) * worker.ROWS)
+                want = sum(ref.routed(weight, tokens[m][rows]) for m in mates)
+                assert per_micro_step[(step, k, "decoder.layers.0")] == list(want)
+                total += want
+            assert step_totals[(step, None, "decoder.layers.0")] == list(total)
+
+
+def test_ep_replicated_router_counted_once_in_the_global_norm(tp_run):
+    records, weight = _ep_records(tp_run), ref.router_weight()
+    for step in range(1, worker.STEPS + 1):
+        mean = np.zeros_like(weight)
+        for rank in range(RANKS):
+            tokens = ref.router_tokens(rank, step, worker.K * worker.ROWS)
+            for k in range(worker.K):
+                mean += ref.router_gradient(weight, tokens[k * worker.ROWS:(k + 1) * worker.ROWS]) / (worker.K * RANKS)
+        for rank in range(RANKS):
+            _close(_values(records[rank], "grad_norm")[(step, None, "global")], np.linalg.norm(mean))
