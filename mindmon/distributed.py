@@ -46,6 +46,14 @@ class DataParallel:
         self.group = group
         self.size, self.rank = _query(group)
 
+    @classmethod
+    def single(cls) -> "DataParallel":
+        """A group of this rank alone (an axis of a parallel layout with one rank): both collectives
+        return their input."""
+        single = cls.__new__(cls)
+        single.group, single.size, single.rank = None, 1, 0
+        return single
+
     @property
     def active(self) -> bool:
         return self.size > 1
@@ -71,8 +79,17 @@ class DataParallel:
         """The element-wise max over the group of a float array (every rank passes the same shape)."""
         if not self.active:
             return values
+        return self.gather(values).max(axis=0).reshape(np.shape(values))
+
+    def gather(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's float array (the same shape on each), as rows in group-rank order. MindSpore's CPU
+        AllGather serves only the world group: in a named group the rows are summed into place (each rank
+        fills its own row of zeros; only zeros are added to a rank's row, so NaN and infinities stay)."""
         from mindspore import Tensor, ops
 
-        local = Tensor(np.asarray(values, np.float32).reshape(1, -1))
-        gathered = ops.AllGather(**self._kwargs())(local).asnumpy()
-        return gathered.max(axis=0).reshape(np.shape(values))
+        local = np.asarray(values, np.float32).reshape(1, -1)
+        if self.group is None:
+            return ops.AllGather()(Tensor(local)).asnumpy()
+        rows = np.zeros((self.size, local.shape[1]), np.float32)
+        rows[self.rank] = local[0]
+        return ops.AllReduce(group=self.group)(Tensor(rows)).asnumpy()

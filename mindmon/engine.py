@@ -77,6 +77,18 @@ class Monitor(abc.ABC):
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
         pass
 
+    # Model parallelism (mindmon.parallel): per-parameter values summed over the tensor- and context-parallel
+    # groups, inside the step's own collectives. The size depends only on K, so every rank sends the same.
+    def shard_sum_size(self, num_micro_steps: int) -> int:
+        return 0
+
+    def shard_sums(self, num_micro_steps: int):
+        """This rank's float64 array of `shard_sum_size` values (None: send zeros)."""
+        return None
+
+    def receive_shard_sums(self, sums) -> None:
+        pass
+
     def close(self) -> None:
         """Train end: detach hooks, release what the monitor holds."""
 

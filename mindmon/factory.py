@@ -52,6 +52,7 @@ class Build:
     parts: Dict[str, Any] = field(default_factory=dict)
     log_sink: Any = None            # a feature's own log-line sink in place of the default one
     tensorboard_tags: Any = None    # a feature's own TensorBoard tags in place of the default ones
+    layout: Any = None              # mindmon.parallel.ParallelLayout: the rank's place under model parallelism
 
     @property
     def collects(self) -> bool:
@@ -82,7 +83,7 @@ def _own_outputs(build: Build) -> List[Sink]:
     from mindmon.sinks import JsonlSink, LogSink
 
     monitor = build.config.monitor
-    sinks = [build.log_sink or LogSink(build.logger), JsonlSink(monitor.output_dir)]
+    sinks = [build.log_sink or LogSink(build.logger), JsonlSink(monitor.output_dir, layout=build.layout)]
     if monitor.tensorboard.enabled:
         from mindmon.sinks.tensorboard import TensorBoardSink, record_tags
 
@@ -96,13 +97,22 @@ def _own_outputs(build: Build) -> List[Sink]:
 def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = (), rank: Optional[int] = None,
           logger=None, on_host: Optional[bool] = None, data_parallel: Optional[DataParallel] = None,
           optimizer=None, global_batch_size: Optional[int] = None, outputs: Optional[Sequence[Sink]] = None,
-          features: Sequence[Feature] = FEATURES) -> Build:
+          features: Sequence[Feature] = FEATURES, layout=None) -> Build:
     """Every feature's parts for one rank. `outputs`: the sinks a front door writes to instead of the
-    run's log lines, JSONL and TensorBoard (msprobe's CSV, kj600's TensorBoard)."""
+    run's log lines, JSONL and TensorBoard (msprobe's CSV, kj600's TensorBoard). `layout`
+    (mindmon.parallel): the rank's place under model parallelism; give the same one to
+    `AccumulatingTrainStep`."""
+    if layout is not None:
+        from mindmon.parallel.layout import check_collecting_ranks
+
+        check_collecting_ranks(layout, config.monitor.ranks)
+        data_parallel = data_parallel or layout.data_parallel
+        rank = layout.rank if rank is None else rank
     data_parallel = data_parallel or DataParallel(config.monitor.data_parallel_group)
     rank = data_parallel.rank if rank is None else rank
-    result = Build(config, model, parameter_names, rank, logger or default_logger(rank, data_parallel.active),
-                   data_parallel, optimizer, global_batch_size, outputs is None, on_host)
+    several = data_parallel.active or (layout is not None and layout.model_parallel)
+    result = Build(config, model, parameter_names, rank, logger or default_logger(rank, several),
+                   data_parallel, optimizer, global_batch_size, outputs is None, on_host, layout=layout)
     feature_sinks: List[Sink] = []
     for feature in features:
         section = section_of(config, feature)
@@ -116,12 +126,12 @@ def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = ()
 
 def build_group(config: MindmonConfig, model=None, parameter_names: Sequence[str] = (), rank: Optional[int] = None,
                 logger=None, on_host: Optional[bool] = None, data_parallel: Optional[DataParallel] = None,
-                optimizer=None, global_batch_size: Optional[int] = None) -> MonitorGroup:
+                optimizer=None, global_batch_size: Optional[int] = None, layout=None) -> MonitorGroup:
     """The MonitorGroup of one rank: the monitors the config switches on (none on a rank that
     `monitor.ranks` leaves out) and the sinks they write to. `optimizer` and `global_batch_size`
-    serve monitor_config's optimizer state and throughput."""
+    serve monitor_config's optimizer state and throughput; `layout` as for `build`."""
     return group_of(build(config, model, parameter_names, rank, logger, on_host, data_parallel, optimizer,
-                          global_batch_size))
+                          global_batch_size, layout=layout))
 
 
 def group_of(built: Build) -> MonitorGroup:

@@ -36,6 +36,7 @@ class MonitorGroup:
         self.logger = logger or logging.getLogger("mindmon")
         # Fixed at build time, so every rank sends the same payload even after a monitor is dropped.
         self._cross_rank = [(m, m.cross_rank_shapes()) for m in self.monitors if m.cross_rank_shapes()]
+        self._built = list(self.monitors)   # the model-parallel sums' payload (shard_sums)
         self._opened = False
         self._closed = False
         self._run = RunInfo(rank)
@@ -103,6 +104,24 @@ class MonitorGroup:
             part, start = list(sums[start:start + len(shapes)]), start + len(shapes)
             if monitor in self.monitors:
                 self._guard(monitor, monitor.receive_cross_rank_sums, part)
+
+    def shard_sums(self, num_micro_steps: int) -> list:
+        """The monitors' arrays to be summed over a tensor- or context-parallel group (mindmon.parallel);
+        a monitor dropped since the group was built sends zeros, so every rank's payload keeps its size."""
+        payload = []
+        for monitor in self._built:
+            size = monitor.shard_sum_size(num_micro_steps)
+            if not size:
+                continue
+            values = self._guard(monitor, monitor.shard_sums, num_micro_steps) if monitor in self.monitors else None
+            payload.append(values if values is not None and np.size(values) == size else np.zeros(size))
+        return payload
+
+    def receive_shard_sums(self, sums: Sequence, num_micro_steps: int) -> None:
+        taking = [m for m in self._built if m.shard_sum_size(num_micro_steps)]
+        for monitor, part in zip(taking, sums):
+            if monitor in self.monitors:
+                self._guard(monitor, monitor.receive_shard_sums, part)
 
     def set_max_norm(self, max_norm: float) -> None:
         """The clipping threshold of the run's train step (0: clipping off). `AccumulatingTrainStep`

@@ -25,7 +25,8 @@ from mindmon.config import check_max_norm
 from mindmon.distributed import DataParallel
 from mindmon.features.train_state.monitor import GradientSnapshot
 from mindmon.records import LOCAL_NORM
-from mindmon.kernels.stats import HostGradientBuffer, SquaredNorms, host_is_device
+from mindmon.parallel.reduce import model_parallel_sums
+from mindmon.kernels.stats import HostGradientBuffer, SquaredNorms, host_is_device, to_float
 
 Batch = Union[Dict[str, object], Tuple, List]
 
@@ -73,7 +74,7 @@ class AccumulatingTrainStep:
 
     def __init__(self, loss_fn: Callable, optimizer, num_micro_steps: int, group=None,
                  max_norm: float = 1.0, on_host: Optional[bool] = None,
-                 data_parallel: Optional[DataParallel] = None):
+                 data_parallel: Optional[DataParallel] = None, layout=None):
         if num_micro_steps < 1:
             raise ValueError(f"num_micro_steps: got {num_micro_steps}; allowed: a positive int")
         check_optimizer(optimizer)
@@ -85,12 +86,14 @@ class AccumulatingTrainStep:
         if group is not None:   # so the files mark where the gradient was clipped (`mindmon report`)
             group.set_max_norm(self.max_norm)
         self.on_host = host_is_device() if on_host is None else on_host
-        self.data_parallel = data_parallel or DataParallel()
+        self.data_parallel = data_parallel or (layout.data_parallel if layout is not None else DataParallel())
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
         # On CPU with float32 parameters the gradients are summed in one numpy buffer (stats.py).
         parameters = list(optimizer.parameters)
         self._parameters = parameters
         self._host = HostGradientBuffer(parameters) if self.on_host and HostGradientBuffer.fits(parameters) else None
+        # Tensor / pipeline / expert / context parallelism: the global norm and the losses of the whole model.
+        self.model_parallel = model_parallel_sums(layout, parameters)
 
     def _scaled_loss(self, *args):
         loss = self.loss_fn(*args)
@@ -102,14 +105,17 @@ class AccumulatingTrainStep:
             group.reset()
             group.record("moe_tpe_step_begin")
         accumulated, loss_sum = self._accumulate_micro_batches(micro_batches, group)
-        if accumulated is None and not self.data_parallel.active:   # summed in the host buffer, one rank
-            grad_norm = float(np.sqrt(self._last_norms.accumulated.sum()))   # taken while adding
+        if accumulated is None and not self.data_parallel.active and self.model_parallel is None:
+            grad_norm = float(np.sqrt(self._last_norms.accumulated.sum()))   # one rank, summed in the host buffer
             accumulated, mean_loss = self._clip_on_host(grad_norm), loss_sum / self.num_micro_steps
             reduced = None
         else:
             accumulated = self._host.take() if accumulated is None else accumulated
             reduced, mean_loss = self._reduce(accumulated, loss_sum, group)
-            grad_norm = self._global_norm(reduced)
+            if self.model_parallel is None:
+                grad_norm = self._global_norm(reduced)
+            else:
+                grad_norm, mean_loss = self._finish_model_parallel(reduced, mean_loss, group)
             accumulated = self._clip(reduced, grad_norm)
         # Asked at every step: the group's actions may take part in a collective.
         skip = self.group is not None and self.group.should_skip_update(grad_norm)
@@ -117,9 +123,25 @@ class AccumulatingTrainStep:
             self.optimizer(with_device_of(accumulated, self._parameters))
         if group is not None:
             group.record("device_loss", mean_loss)
-            # Several ranks: the norm of the data-parallel mean, before clipping; one rank: A_{K-1}.
-            group.record("device_norm", reduced if self.data_parallel.active else None)
+            if self.model_parallel is None:   # the model-parallel step recorded it before its sums
+                # Several ranks: the norm of the data-parallel mean, before clipping; one rank: A_{K-1}.
+                group.record("device_norm", reduced if self.data_parallel.active else None)
         return mean_loss, grad_norm
+
+    def _finish_model_parallel(self, reduced, mean_loss, group):
+        """The global norm over every shard of every stage and the last stage's losses
+        (mindmon.parallel.reduce); the monitors' per-parameter sums ride in the same collectives."""
+        if group is not None:
+            group.record("device_norm", reduced if self.data_parallel.active else None)
+        squared = SquaredNorms(self.on_host)
+        squared.add("grads", reduced)
+        grad_norm, losses, mean = self.model_parallel.finish(
+            squared.results()["grads"], [float(to_float(loss)) for loss in self._losses], float(to_float(mean_loss)),
+            group)
+        if group is not None and self.model_parallel.deferred_losses:
+            for k, loss in enumerate(losses):
+                group.record("local_loss", loss, {"micro_step": k})
+        return grad_norm, mean
 
     def _accumulate_micro_batches(self, micro_batches: Sequence[Batch], group):
         """Forward/backward per micro-batch, recording each micro-step. Returns (the summed gradients
@@ -143,9 +165,11 @@ class AccumulatingTrainStep:
             losses.append(loss)
             if group is not None:
                 context = {"micro_step": k}
-                group.record("local_loss", loss, context)
+                if self.model_parallel is None or not self.model_parallel.deferred_losses:
+                    group.record("local_loss", loss, context)   # (a pipeline's come from its last stage)
                 group.record("local_norm", snapshot, context)
                 group.record("moe_tpe", context=context)
+        self._losses = losses
         return accumulated, sum(losses[1:], losses[0])
 
     def _clip_on_host(self, grad_norm: float) -> tuple:

@@ -194,7 +194,15 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a toy model (the numbers mean nothing)")
     parser.add_argument("--output-dir", default=None, help="monitor outputs and msrun logs (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="where the results go")
-    args = parser.parse_args(argv)
+    parser.add_argument("--layout", choices=["dp", "tp"], default="dp",
+                        help="tp: the collectives of a TP=2 x DP=2 layout (tools/bench_layout_collectives.py)")
+    args, rest = parser.parse_known_args(argv)
+    if args.layout == "tp":
+        from bench_layout_collectives import main as layout_main
+
+        return layout_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.as_rank:
         return worker(args)
     result = launch(args)

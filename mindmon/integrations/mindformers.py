@@ -132,8 +132,9 @@ def _wrap_compute_data_parallel_size(stock_compute):
     def _compute_data_parallel_size(self):
         self.world_size = DataParallel().size
         parallelism = self.config.parallelism
+        handed_layout = trainer_layout(self) is not None   # a Trainer that runs them says how (mindmon.parallel)
         for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
-            if self.world_size > 1 and getattr(parallelism, key) != 1:
+            if self.world_size > 1 and getattr(parallelism, key) != 1 and not handed_layout:
                 raise ConfigError(f"parallelism.{key}: got {getattr(parallelism, key)}; allowed: 1 (mindmon runs "
                                   f"MindFormers 1.9.0 with data parallelism only, over {self.world_size} ranks)")
         stock_compute(self)
@@ -173,6 +174,13 @@ def _rank() -> int:
         return int(os.environ.get("RANK_ID", "0"))
 
 
+def trainer_layout(trainer):
+    """The `mindmon.parallel.ParallelLayout` a Trainer that runs model parallelism hands mindmon as its
+    `mindmon_layout` attribute, or None (MindFormers 1.9.0's PyNative Trainer has none: it runs data
+    parallelism only)."""
+    return getattr(trainer, "mindmon_layout", None)
+
+
 def _attach(trainer, config: MindmonConfig) -> None:
     training = trainer.config.training
     data_parallel = trainer.config.parallelism.data_parallel
@@ -185,14 +193,17 @@ def _attach(trainer, config: MindmonConfig) -> None:
     logger = _mindformers_logger()
     config = _with_max_logits(trainer, config, logger)
     names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
-    reduction = DataParallel(config.monitor.data_parallel_group)
+    layout = trainer_layout(trainer)
+    reduction = layout.data_parallel if layout is not None else DataParallel(config.monitor.data_parallel_group)
     built = build(config, model=trainer.model, parameter_names=names, rank=_rank(), logger=logger,
-                  data_parallel=reduction, optimizer=trainer.optimizer, global_batch_size=training.global_batch_size)
+                  data_parallel=reduction, optimizer=trainer.optimizer, global_batch_size=training.global_batch_size,
+                  layout=layout)
     group = group_of(built)
     for callback in build_callbacks(group, config):
         trainer.callback_handler.add_callback(callback)
     _attach_tensor_stats(trainer, built.parts.get("tensor_stats"), group)
-    trainer._mindmon = SimpleNamespace(config=config, group=group, data_parallel=reduction, train_step=None)
+    trainer._mindmon = SimpleNamespace(config=config, group=group, data_parallel=reduction, train_step=None,
+                                       layout=layout)
 
 
 def _attach_tensor_stats(trainer, make_hooks, group) -> None:
@@ -258,5 +269,6 @@ def _training_step(self, model, inputs, grad_fn):
     if state.train_step is None:
         state.train_step = AccumulatingTrainStep(
             lambda batch: self.compute_loss(model, batch), self.optimizer, self.num_accumulation_steps,
-            group=state.group, max_norm=self.config.training.max_norm, data_parallel=state.data_parallel)
+            group=state.group, max_norm=self.config.training.max_norm, data_parallel=state.data_parallel,
+            layout=state.layout)
     return state.train_step(split_batch(inputs, self.num_accumulation_steps))

@@ -4,7 +4,7 @@ from typing import List, Sequence
 
 from mindmon.config import ConfigError
 from mindmon.engine import RunInfo
-from mindmon.formats import jsonl
+from mindmon.formats import jsonl, parallel_layout
 from mindmon.formats.layout import RunLock
 from mindmon.records import Record
 from mindmon.sinks.lines import LinesFileSink
@@ -19,9 +19,11 @@ class JsonlSink(LinesFileSink):
         sink.write(records)   # {"step": 1, "micro_step": 0, "rank": 0, "kind": "local_loss", ...}
     """
 
-    def __init__(self, output_dir: str, config_key: str = "monitor.output_dir"):
+    def __init__(self, output_dir: str, config_key: str = "monitor.output_dir", layout=None):
         super().__init__(output_dir, config_key)
         self._lock = None
+        self.layout = layout   # mindmon.parallel: each line also carries the rank's coordinates
+        self._suffix = parallel_layout.coordinates_suffix(layout) if layout is not None else ""
 
     def open(self, run: RunInfo) -> None:
         """Refuses a folder another live run is writing (its `run.lock`), before touching its file."""
@@ -35,6 +37,8 @@ class JsonlSink(LinesFileSink):
         super().open(run)
         lock.acquire()
         self._lock = lock
+        if self.layout is not None:
+            parallel_layout.write_layout(self.output_dir, self.layout, run.rank)
 
     def close(self) -> None:
         super().close()
@@ -45,4 +49,6 @@ class JsonlSink(LinesFileSink):
         return jsonl.metrics_path(self.output_dir, rank)
 
     def lines(self, records: Sequence[Record]) -> List[str]:
+        if self._suffix:
+            return [jsonl.encode(record)[:-1] + self._suffix + "}" for record in records]
         return [jsonl.encode(record) for record in records]

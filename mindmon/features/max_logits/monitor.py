@@ -27,10 +27,13 @@ class MaxAttentionLogitMonitor(Monitor):
     """
 
     def __init__(self, model, step_interval: int = 1, rank: int = 0, data_parallel: Optional[DataParallel] = None,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, layout=None):
         self.step_interval = check_step_interval(step_interval)
         self.rank = rank
         self.data_parallel = data_parallel   # None: this rank's values only
+        # Heads split over tensor-parallel ranks: each layer's vector is every rank's heads in rank order.
+        tensor_parallel = layout.groups.get("tp") if layout is not None else None
+        self.tensor_parallel = tensor_parallel if tensor_parallel is not None and tensor_parallel.active else None
         self.model = model if hasattr(model, "get_max_attention_logit") else None
         if self.model is None:
             (logger or logging.getLogger("mindmon")).warning(
@@ -46,9 +49,20 @@ class MaxAttentionLogitMonitor(Monitor):
             if step % self.step_interval:
                 return []
             values = {name: v.asnumpy() for name, v in self.model.get_max_attention_logit().items()}
-            return self._records(step, self._max_over_ranks(values))
+            return self._records(step, self._max_over_ranks(self._heads_of_every_rank(values)))
         finally:
             self.model.reset_max_attention_logit()
+
+    def _heads_of_every_rank(self, values: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """Tensor parallelism: rank t holds heads [t * h, (t + 1) * h) of each layer; one gather over the
+        group puts them in head order (every rank of the group then holds the whole vector)."""
+        if self.tensor_parallel is None or not values:
+            return values
+        names = list(values)
+        sizes = [values[n].size for n in names]
+        rows = self.tensor_parallel.gather(np.concatenate([values[n].reshape(-1) for n in names]))
+        pieces = np.split(rows, np.cumsum(sizes)[:-1], axis=1)
+        return {name: piece.reshape(-1) for name, piece in zip(names, pieces)}
 
     def _max_over_ranks(self, values: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         if self.data_parallel is None or not self.data_parallel.active or not values:

@@ -108,11 +108,16 @@ class MoETokensMonitor(Monitor):
     KEYS = (STEP_BEGIN, MICRO_STEP_END)
 
     def __init__(self, config: MoEMonitorConfig, model, rank: int = 0, on_host: bool = True,
-                 logger: Optional[logging.Logger] = None, cross_rank: bool = False):
+                 logger: Optional[logging.Logger] = None, cross_rank: bool = False, layout=None):
         self.config = config
         self.rank = rank
         self.on_host = on_host
-        self.cross_rank = cross_rank  # step totals summed over the data-parallel group
+        # Experts placed over expert-parallel ranks: each rank counts the tokens its own experts received
+        # (from every rank of the group); the layer's vector is every rank's experts in rank order, and the
+        # step totals are those vectors' sums (a data-parallel sum would add other ranks' experts).
+        expert_parallel = layout.groups.get("ep") if layout is not None else None
+        self.expert_parallel = expert_parallel if expert_parallel is not None and expert_parallel.active else None
+        self.cross_rank = cross_rank and self.expert_parallel is None  # step totals summed over data parallel
         selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
         self.layers = [layer for layer, _ in selected]
         self.cells = [cell for _, cell in selected]
@@ -161,7 +166,7 @@ class MoETokensMonitor(Monitor):
             self.reset()
             return []
         counts = self._to_host(self._snapshots)            # (K + 1, layers, experts), cumulative
-        per_micro_step = np.rint(np.diff(counts, axis=0)).astype(np.int64)
+        per_micro_step = self._every_expert(np.rint(np.diff(counts, axis=0)).astype(np.int64))
         step_totals = self._all_ranks if self._all_ranks is not None else list(per_micro_step.sum(axis=0))
         self.reset()
         num_micro_steps = per_micro_step.shape[0]
@@ -177,6 +182,15 @@ class MoETokensMonitor(Monitor):
                                   [int(v) for v in step_tokens]))
             records += self._summaries(step, layer.name, step_tokens)
         return records
+
+    def _every_expert(self, per_micro_step: np.ndarray) -> np.ndarray:
+        """(K, layers, local experts) -> (K, layers, every expert): one gather over the expert-parallel
+        group, rank r's experts at [r * local, (r + 1) * local). Counts are exact in float32 below 2^24."""
+        if self.expert_parallel is None:
+            return per_micro_step
+        rows = self.expert_parallel.gather(per_micro_step.astype(np.float64).reshape(-1))
+        every = np.rint(rows).astype(np.int64).reshape(self.expert_parallel.size, *per_micro_step.shape)
+        return np.concatenate(list(every), axis=-1)
 
     @staticmethod
     def _to_host(snapshots: Sequence) -> np.ndarray:

@@ -18,6 +18,7 @@ from mindmon.config import ConfigError
 from mindmon.features.train_state.config import TrainStateConfig
 from mindmon.engine import Monitor
 from mindmon.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
+from mindmon.parallel.norms import ShardedNorms
 from mindmon.kernels.stats import MicroStepNorms, SquaredNorms, to_float
 
 
@@ -46,7 +47,7 @@ class TrainStateMonitor(Monitor):
     KEYS = (LOCAL_LOSS, LOCAL_NORM, DEVICE_LOSS, DEVICE_NORM)
 
     def __init__(self, config: TrainStateConfig, parameter_names: Sequence[str], rank: int = 0,
-                 on_host: bool = True, norms: Optional[SquaredNorms] = None):
+                 on_host: bool = True, norms: Optional[SquaredNorms] = None, layout=None):
         self.config = config
         self.rank = rank
         _check_filters_match(config, parameter_names)
@@ -60,6 +61,10 @@ class TrainStateMonitor(Monitor):
         self.collects_norms = bool(self.indices)
         # `norms` lets a benchmark swap in another way of taking the same squared norms.
         self._norms = norms if norms is not None else SquaredNorms(on_host)
+        # Model parallelism: the norms are of full parameters (shards' squared norms summed over tp/cp,
+        # mindmon.parallel), written by the first rank of those groups only.
+        self._shards = ShardedNorms(layout, self.names, self.indices, parameter_names) if ShardedNorms.needed(layout) else None
+        self.writes_norms = layout is None or layout.writes_full_parameters
         self.reset()
 
     def reset(self) -> None:
@@ -67,6 +72,8 @@ class TrainStateMonitor(Monitor):
         self._losses: List = []
         self._micro_steps: List[int] = []
         self._device_loss = None
+        if self._shards is not None:
+            self._shards.clear()
 
     def record(self, key: str, value=None, context=None) -> None:
         micro_step = (context or {}).get("micro_step")
@@ -94,6 +101,19 @@ class TrainStateMonitor(Monitor):
         if self.config.local_norm.enabled:
             self._norms.put(("micro", micro_step), squared.micro[self._index_array])
 
+    def shard_sum_size(self, num_micro_steps: int) -> int:
+        return self._shards.size(num_micro_steps) if self._shards is not None else 0
+
+    def shard_sums(self, num_micro_steps: int):
+        if self._shards is None:
+            return None
+        return self._shards.current(num_micro_steps, self._norms.results(), self._micro_steps,
+                                    self.config.local_norm.enabled)
+
+    def receive_shard_sums(self, sums) -> None:
+        if self._shards is not None:
+            self._shards.receive(sums)
+
     def collect(self, step: int) -> List[Record]:
         records = []
         if self.config.local_loss:
@@ -105,9 +125,11 @@ class TrainStateMonitor(Monitor):
         return records
 
     def _norm_records(self, step: int) -> List[Record]:
-        if not self._micro_steps:
+        if not self._micro_steps or not self.writes_norms:
             return []
         squared = self._norms.results()
+        if self._shards is not None:
+            squared = self._shards.results(self._micro_steps, squared)
         records, previous = [], np.zeros(len(self.names))
         for k in self._micro_steps:
             accumulated = np.sqrt(squared[("accumulated", k)])
