@@ -18,7 +18,7 @@ from mindmon.distributed import DataParallel
 from mindmon.engine import RunInfo
 from mindmon.records import Record
 from servers import (PG_PASSWORD, SMTP_PASSWORD, SMTP_USER, free_port,  # noqa: F401 (fixtures below)
-                     hanging_smtp, postgres_url, smtp_inbox)
+                     hanging_smtp, postgres_server, postgres_url, smtp_inbox)
 from test_plain_loop import Regression, _data as regression_data  # the tiny real MindSpore model
 
 NAN = {"rule_name": "AnomalyNan"}
@@ -308,14 +308,15 @@ def test_postgresql_rows_and_no_password_anywhere(tmp_path, postgres_url, caplog
         _anomalous_steps(sink)
         sink.close()
         wrong = make_sink(tmp_path, {"rules": [NAN], "inform": {
-            "connection_str": connection_str.replace("s3cr", "wrong"), "close_timeout": 20}})
+            "connection_str": connection_str.replace("s3cr", "wrong"), "close_timeout": 3, "retry_interval": 0.5}})
         _anomalous_steps(wrong, 2)
         wrong.close()
     rows = _select_rows(postgres_url, "run_alerts")
     assert [(r.step, r.tag_name, r.statistic, r.value, r.rule_name) for r in rows] == EXPECTED_ROWS
     assert rows[1].value_text == "nan" and rows[0].message.startswith("Rule AnomalyTurbulence reports")
-    assert wrong.reports[0].failed == 1 and "password authentication failed" in wrong.reports[0].errors[0]
-    assert "(table run_alerts): 4 delivered, 0 failed, 0 dropped" in caplog.text
+    assert wrong.reports[0].undelivered == {"authentication failed": 1} and wrong.reports[0].failed_attempts >= 2
+    assert "password authentication failed" in wrong.reports[0].errors[0]
+    assert "(table run_alerts): 4 delivered, 0 failed attempts" in caplog.text
     dump = (tmp_path / "anomaly_detected" / "rank0" / "anomaly.json").read_text()
     for secret in (PG_PASSWORD, "pg-s3cr%40t", "pg-wrong", "s3cr@t"):
         assert secret not in caplog.text + dump + repr(sink.config) + json.dumps(sink.config.to_dict())
@@ -324,10 +325,11 @@ def test_postgresql_rows_and_no_password_anywhere(tmp_path, postgres_url, caplog
 def test_mysql_urls_are_accepted_and_a_dead_server_is_reported(tmp_path, caplog):
     url = f"mysql+pymysql://alice:my-pw-123@127.0.0.1:{free_port()}/alerts"
     with caplog.at_level(logging.INFO, logger="mindmon"):
-        sink = make_sink(tmp_path, {"rules": [NAN], "inform": {"connection_str": url, "timeout": 2}})
+        sink = make_sink(tmp_path, {"rules": [NAN], "inform": {"connection_str": url, "timeout": 2,
+                                                               "close_timeout": 1}})
         _anomalous_steps(sink, 2)
         sink.close()
-    assert sink.reports[0].failed == 1 and sink.reports[0].delivered == 0
+    assert sink.reports[0].undelivered == {"connection refused": 1} and sink.reports[0].delivered == 0
     assert "mysql+pymysql://alice:***@127.0.0.1" in caplog.text and "my-pw-123" not in caplog.text
     assert "Can't connect to MySQL server" in sink.reports[0].errors[0]
     with pytest.raises(ConfigError, match=r"^alert.inform.connection_str: mssql\+pyodbc://u:\*\*\*@h/db: No module"):
@@ -452,7 +454,7 @@ def test_end_to_end_plain_loop_to_postgresql_and_email(tmp_path, postgres_url, s
     from argparse import ArgumentParser
 
     from mindmon.alerts import analyse
-    from mindmon.alerts.delivery import read_back_rows
+    from mindmon.alerts.recipients import read_back_rows
 
     x, y = regression_data(rng)
     batches = [(x, y)] * 3 + [(x * 10, y * 10)] + [(x, y)] * 2     # step 4 blows up

@@ -116,7 +116,7 @@ class AlertConfig:
 
     @classmethod
     def parse(cls, path_prefix: str, section: Any) -> "AlertConfig":
-        from .delivery import parse_inform
+        from .inform import parse_inform
 
         section = _check_keys(path_prefix, section, cls.KEYS)
         if not section:

@@ -59,3 +59,29 @@ class AnomalyDump:
         if self._dirty:
             write_json_atomically(self.path, self.entries)
             self._dirty = False
+
+
+def rank_folder(output_dir: str, rank: int) -> str:
+    """`<output>/anomaly_detected/rank<r>`: the dump, the run id and the delivery spools of one rank."""
+    return os.path.join(output_dir, DUMP_DIR, f"rank{rank}")
+
+
+def run_id_of(output_dir: str, rank: int, resumed: bool) -> str:
+    """The run's id in the rank's folder (`run_id`): a new one for a fresh run, the earlier one
+    for a resumed run. Unwritable folder: an id for this process only."""
+    import uuid
+
+    path = os.path.join(rank_folder(output_dir, rank), "run_id")
+    if resumed and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            existing = f.read().strip()
+        if existing:
+            return existing
+    run_id = uuid.uuid4().hex
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+    except OSError:
+        pass
+    return run_id
