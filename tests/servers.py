@@ -206,6 +206,16 @@ class SmtpInbox:
     logins: list = field(default_factory=list)        # (username, password ok?)
     tls_sessions: int = 0
     received: threading.Event = field(default_factory=threading.Event)
+    make_controller: object = None                    # builds the server on `port`
+    controller: object = None
+
+    def start(self) -> None:
+        self.controller = self.make_controller()
+        self.controller.start()
+
+    def stop(self) -> None:
+        """The server goes away (its port refuses connections) until `start`."""
+        self.controller.stop()
 
 
 def _certificate(folder: str) -> tuple:
@@ -250,15 +260,17 @@ def smtp_inbox(tmp_path, monkeypatch):
         inbox.logins.append((auth_data.login.decode(), ok))
         return AuthResult(success=ok)
 
-    controller = Controller(_Handler(inbox), hostname=inbox.host, port=inbox.port, tls_context=context,
-                            require_starttls=True, authenticator=authenticator, auth_required=True)
-    controller.start()
+    inbox.make_controller = lambda: Controller(_Handler(inbox), hostname=inbox.host, port=inbox.port,
+                                               tls_context=context, require_starttls=True,
+                                               authenticator=authenticator, auth_required=True)
+    inbox.start()
     yield inbox
-    controller.stop()
+    inbox.stop()
 
 
 class HangingSmtpServer:
-    """Accepts connections and never says a word until `release()`: a recipient that hangs."""
+    """Accepts connections and never says a word until `release()`: a recipient that hangs (an
+    SMTP server, or a database: neither protocol gets its greeting)."""
 
     def __init__(self):
         self.port = free_port()

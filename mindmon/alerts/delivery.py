@@ -184,7 +184,7 @@ class Deliverer:
     def _note_digest(self, n: int) -> None:
         listed = getattr(self.recipient, "listed", None)
         if listed is not None and n > listed:
-            self.logger.info("mindmon alerts: one e-mail to %s carries %d anomalies: %d listed in full, %d folded "
+            self.logger.info("mindmon alerts: %s: one e-mail carries %d anomalies: %d listed in full, %d folded "
                              "into counts by rule and tag", self.report.recipient, n, listed, n - listed)
 
     def _failed(self, n: int, error: Exception) -> None:
