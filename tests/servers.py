@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import List
 
@@ -204,6 +205,7 @@ class SmtpInbox:
     messages: list = field(default_factory=list)      # email.message.Message objects
     envelopes: list = field(default_factory=list)     # (mail_from, rcpt_tos)
     logins: list = field(default_factory=list)        # (username, password ok?)
+    arrival_times: list = field(default_factory=list)  # time.monotonic() of each message
     tls_sessions: int = 0
     received: threading.Event = field(default_factory=threading.Event)
     make_controller: object = None                    # builds the server on `port`
@@ -237,6 +239,7 @@ class _Handler:
         self.inbox.envelopes.append((envelope.mail_from, list(envelope.rcpt_tos)))
         self.inbox.messages.append(email.message_from_bytes(envelope.content))
         self.inbox.tls_sessions += session.ssl is not None
+        self.inbox.arrival_times.append(time.monotonic())
         self.inbox.received.set()
         return "250 OK"
 

@@ -295,3 +295,43 @@ def test_delivery_limits_are_checked(key, value, allowed):
         AlertConfig.parse("monitor.alert", {"rules": [EVERY_VALUE], "inform": {
             "connection_str": "sqlite://", key: value}})
     assert str(error.value).startswith(f"monitor.alert.inform.{key}: got {value!r}") and allowed in str(error.value)
+
+
+FULL_DISK_JOB = '''
+import logging, resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))   # files above it: EFBIG
+from mindmon.alerts import AlertConfig, AlertSink
+from mindmon.records import Record
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+sink = AlertSink(AlertConfig.parse("alert", {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 0.0}}],
+    "dump": True, "inform": {"connection_str": sys.argv[3], "queue_size": 10, "timeout": 1, "close_timeout": 0.5}}),
+    sys.argv[1])
+for step, count in enumerate([20, 200, 1, 1, 1], start=1):
+    sink.write([Record(step, None, 0, "grad_reduced", f"p{i}/norm", 1.0) for i in range(count)])
+    sink.flush()
+    print("step", step, flush=True)
+sink.close()
+print("after training:", sink.reports[0].summary())
+'''
+
+
+def test_a_full_disk_keeps_the_dump_and_the_spool_whole(tmp_path):
+    """RLIMIT_FSIZE (64 KiB a file) in a subprocess: step 2's 200 anomalies fit neither in the dump
+    nor in the spool; each failure is logged once, the files keep what they had, training goes on,
+    later anomalies still reach the spool."""
+    dead = f"mysql+pymysql://u:pw9@127.0.0.1:{free_port()}/db"
+    job = subprocess.run([sys.executable, "-c", FULL_DISK_JOB, str(tmp_path), str(64 * 1024), dead],
+                         capture_output=True, text=True, timeout=120)
+    print(job.stdout, job.stderr[-3000:])
+    assert job.returncode == 0 and "Traceback" not in job.stderr
+    assert job.stdout.splitlines()[-1].startswith("after training:") and "step 5" in job.stdout
+    assert job.stderr.count("anomaly.json failed ([Errno 27] File too large)") == 1
+    assert job.stderr.count("spool write failed (File too large); anomalies are dropped") == 1
+    folder = tmp_path / "anomaly_detected" / "rank0"
+    dumped = json.loads((folder / "anomaly.json").read_text())
+    assert [(e["step"], e["name"]) for e in dumped.values()] == [(1, f"p{i}/norm") for i in range(20)]
+    spool = next((folder / "spool").glob("*.jsonl"))
+    assert [(i.anomaly.step, i.anomaly.name) for i in read_spool(str(spool))[1]] == \
+        [(1, f"p{i}/norm") for i in range(20)] + [(3, "p0/norm"), (4, "p0/norm"), (5, "p0/norm")]
+    assert "undelivered (connection refused: 23, spool write failed (File too large): 200)" in job.stdout
+    assert "pw9" not in job.stdout + job.stderr

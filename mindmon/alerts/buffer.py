@@ -144,23 +144,23 @@ class DeliveryBuffer:
     def take(self, n: int) -> List[KeyedAnomaly]:
         """The first n undelivered anomalies, oldest first (not removed)."""
         with self.lock:
-            if self.memory:
-                return list(islice(self.memory, n))
-            if self.spool is not None and self.spool.unread:
-                return self.spool.take(n)
-            self.arrived.clear()
-            return []
+            items = list(islice(self.memory, n))
+            if len(items) < n and self.spool is not None and self.spool.unread:
+                items += self.spool.take(n - len(items))
+            if not items:
+                self.arrived.clear()
+            return items
 
     def done(self, n: int) -> None:
         """The first n taken were delivered. Ignored once `finish` ran (a late attempt)."""
         with self.lock:
             if self.closed:
                 return
-            if self.memory:
-                for _ in range(n):
-                    self.memory.popleft()
-            else:
-                self.spool.done(n)
+            from_memory = min(n, len(self.memory))
+            for _ in range(from_memory):
+                self.memory.popleft()
+            if n > from_memory:
+                self.spool.done(n - from_memory)
 
     def finish(self) -> Tuple[int, Optional[OSError]]:
         """Leaves everything undelivered in the spool file (or removes an empty one); returns how
