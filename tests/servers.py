@@ -261,7 +261,11 @@ def smtp_inbox(tmp_path, monkeypatch):
     def authenticator(server, session, envelope, mechanism, auth_data):
         ok = auth_data.login == SMTP_USER.encode() and auth_data.password == SMTP_PASSWORD.encode()
         inbox.logins.append((auth_data.login.decode(), ok))
-        return AuthResult(success=ok)
+        if ok:
+            return AuthResult(success=True)
+        # a server that echoes what it got in its refusal, as some do: the client must not pass it on
+        return AuthResult(success=False, handled=False, message=f"535 5.7.8 login {auth_data.login.decode()} with "
+                                                                f"password {auth_data.password.decode()} refused")
 
     inbox.make_controller = lambda: Controller(_Handler(inbox), hostname=inbox.host, port=inbox.port,
                                                tls_context=context, require_starttls=True,

@@ -33,9 +33,23 @@ def mask_secrets(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
+def _secret_query_key(key: str) -> bool:
+    """Query parameters a driver takes a password from (libpq's `?password=`, `sslpassword`, ...)."""
+    return "passw" in key.lower() or key.lower() in ("pwd", "secret", "token")
+
+
+def url_secrets(url: Any) -> Tuple[str, ...]:
+    found = [url.password] if url.password else []
+    for key, value in url.query.items():
+        if _secret_query_key(key):
+            found += [value] if isinstance(value, str) else list(value)
+    return tuple(found)
+
+
 def masked_url(url: Any) -> str:
-    """The URL as SQLAlchemy renders it with the password hidden."""
-    return url.render_as_string(hide_password=True)
+    """The URL as SQLAlchemy renders it with the password (and any password in the query) hidden."""
+    query = {key: (MASK if _secret_query_key(key) else value) for key, value in url.query.items()}
+    return url.set(query=query).render_as_string(hide_password=True)
 
 
 def _seconds(path: str, value: Any) -> float:
@@ -97,7 +111,7 @@ class DatabaseInform:
         return f"database {masked_url(self.url)} (table {self.table})"
 
     def secrets(self) -> Tuple[str, ...]:
-        return (self.url.password,) if self.url.password else ()
+        return url_secrets(self.url)
 
     def to_dict(self) -> dict:
         return {"recipient": "database", "connection_str": masked_url(self.url), "table": self.table,
@@ -147,12 +161,16 @@ def _parse_url(path: str, value: Any):
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{path}: got a {type(value).__name__}; allowed: an SQLAlchemy URL string, "
                           f"e.g. postgresql+psycopg2://user:password@host:5432/db or sqlite:///alerts.db")
+    allowed = ("allowed: dialect+driver://user:password@host:port/database, special characters in the password "
+               "%-escaped (@ as %40)")
     try:
-        return make_url(value)
+        url = make_url(value)
     except Exception:  # the message would echo the URL, password included
-        raise ConfigError(f"{path}: not an SQLAlchemy URL (value not shown: it may hold a password); allowed: "
-                          f"dialect+driver://user:password@host:port/database, special characters in the "
-                          f"password %-escaped") from None
+        raise ConfigError(f"{path}: not an SQLAlchemy URL (value not shown: it may hold a password); {allowed}") from None
+    if "@" in (url.host or ""):   # an unescaped @ in the password: the rest of it would be shown as the host
+        raise ConfigError(f"{path}: more than one @ before the host (value not shown: it may hold a password); "
+                          f"{allowed}")
+    return url
 
 
 def _text(path: str, value: Any, secret: bool = False) -> str:
