@@ -23,8 +23,7 @@ from mindmon.alerts import AlertConfig, AlertSink
 from mindmon.alerts.anomaly import KeyedAnomaly, anomaly_from_json
 from mindmon.alerts.buffer import read_spool
 from mindmon.alerts.recipients import build_recipient
-from servers import (MYSQL_PASSWORD, PG_PASSWORD, SMTP_PASSWORD, free_port,  # noqa: F401 (fixtures)
-                     hanging_smtp, mariadb_server, postgres_server, postgres_url, smtp_inbox)
+from servers import MYSQL_PASSWORD, PG_PASSWORD, free_port
 from test_alerts import email_inform, plain_loop
 from test_plain_loop import _data as regression_data
 

@@ -11,8 +11,7 @@ from urllib.parse import quote, quote_plus
 
 import yaml
 
-from servers import (MYSQL_PASSWORD, PG_PASSWORD, SMTP_PASSWORD, free_port,  # noqa: F401 (fixtures)
-                     mariadb_server, postgres_server, postgres_url, smtp_inbox)
+from servers import MYSQL_PASSWORD, PG_PASSWORD, SMTP_PASSWORD, free_port
 from test_alert_outages import url_text
 from test_alerts import email_inform
 

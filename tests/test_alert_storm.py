@@ -9,7 +9,6 @@ from collections import Counter
 
 from mindmon.alerts import AlertConfig, AlertSink
 from mindmon.records import Record
-from servers import postgres_server, postgres_url, smtp_inbox  # noqa: F401 (fixtures)
 from test_alert_outages import email_counts, select_rows, url_text
 from test_alerts import email_inform
 

@@ -17,8 +17,7 @@ from mindmon.config import ConfigError
 from mindmon.distributed import DataParallel
 from mindmon.engine import RunInfo
 from mindmon.records import Record
-from servers import (PG_PASSWORD, SMTP_PASSWORD, SMTP_USER, free_port,  # noqa: F401 (fixtures below)
-                     hanging_smtp, postgres_server, postgres_url, smtp_inbox)
+from servers import PG_PASSWORD, SMTP_PASSWORD, SMTP_USER, free_port
 from test_plain_loop import Regression, _data as regression_data  # the tiny real MindSpore model
 
 NAN = {"rule_name": "AnomalyNan"}
