@@ -8,6 +8,7 @@
     mindmon to-tensorboard RUN_DIR [-o DIR]                   JSONL -> DIR/rank_<r>/ event files
     mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
     mindmon anomalies -d DIR [-o OUT] [-k 8] [-s STEPS]       the first anomalies in time, across ranks
+    mindmon alerts resend RUN_DIR [--config FILE]             deliver what a run left in its alert spool files
 
 `python -m mindmon` is the same command. The live path (training) is in mindmon.group, .factory,
 .step, .monitors, .sinks, .callbacks, .probes, .integrations; these commands use mindmon.analysis.
@@ -186,6 +187,17 @@ def _add_anomalies(commands) -> None:
     anomalies.set_defaults(handler=analyse.run)
 
 
+def _add_alerts(commands) -> None:
+    from mindmon.features.alerts import resend
+
+    alerts = commands.add_parser("alerts", help="alert delivery: `resend` what a run left in its spool files")
+    actions = alerts.add_subparsers(dest="alerts_command", required=True)
+    again = actions.add_parser("resend", help="deliver the anomalies a run could not deliver "
+                               "(anomaly_detected/rank<r>/spool/*.jsonl), oldest first; delivered ones leave the spool")
+    resend.add_arguments(again)
+    again.set_defaults(handler=resend.run)
+
+
 def _add_csv2tensorboard(commands) -> None:
     from mindmon.msprobe import csv2tb
 
@@ -239,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", default=None, help="event directory (default: RUN_DIR/tensorboard)")
     convert.set_defaults(handler=_to_tensorboard)
     _add_anomalies(commands)
+    _add_alerts(commands)
     _add_csv2tensorboard(commands)
     return parser
 

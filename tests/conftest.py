@@ -17,6 +17,10 @@ os.environ.setdefault("LOG_MF_PATH", tempfile.mkdtemp(prefix="mindmon-test-log-"
 
 import mindspore as ms  # noqa: E402
 
+# The alert tests' real servers, here so that the session-scoped ones start once per session
+# (a fixture imported into several test modules would be one fixture per module).
+from servers import hanging_smtp, mariadb_server, postgres_server, postgres_url, smtp_inbox  # noqa: E402,F401
+
 ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
 
 SMALL_MODEL = {"vocab_size": 32, "hidden_size": 16, "ffn_hidden_size": 32, "num_layers": 2,

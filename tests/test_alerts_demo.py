@@ -10,7 +10,6 @@ import numpy as np
 import yaml
 
 from conftest import read_jsonl
-from servers import postgres_url, smtp_inbox  # noqa: F401 (fixtures)
 from test_alerts import email_inform
 
 THRESHOLD = 0.005

@@ -46,3 +46,47 @@ class Anomaly:
         out["value_text"] = repr(self.value)
         out["group_mates"] = ",".join(str(r) for r in self.group_mates)
         return out
+
+
+def anomaly_key(run_id: str, anomaly: Anomaly) -> str:
+    """The idempotency key of one anomaly: a hash of run id, rank, step, micro-step, tag and
+    statistic (64 hex digits, short enough for a unique index on every database)."""
+    import hashlib
+    import json
+
+    parts = [run_id, anomaly.rank, anomaly.step, anomaly.micro_step, anomaly.tag_name, anomaly.statistic]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def anomaly_from_json(entry: dict) -> Anomaly:
+    """The inverse of `Anomaly.to_json` (a spool line, a dump entry)."""
+    fields = {name: entry[name] for name in DUMP_FIELDS + EXTRA_FIELDS if name in entry}
+    fields["value"] = float(fields["value"])    # "nan", "inf", "-inf" back to floats
+    fields["group_mates"] = list(fields.get("group_mates", []))
+    return Anomaly(**fields)
+
+
+@dataclass(frozen=True)
+class KeyedAnomaly:
+    """An anomaly on its way to a recipient, with the key that makes its delivery idempotent."""
+
+    run_id: str
+    key: str
+    anomaly: Anomaly
+
+    @classmethod
+    def of(cls, run_id: str, anomaly: Anomaly) -> "KeyedAnomaly":
+        return cls(run_id, anomaly_key(run_id, anomaly), anomaly)
+
+    def to_line(self) -> str:
+        import json
+
+        return json.dumps({"run_id": self.run_id, "key": self.key, "anomaly": self.anomaly.to_json()},
+                          allow_nan=False) + "\n"
+
+    @classmethod
+    def from_line(cls, line: str) -> "KeyedAnomaly":
+        import json
+
+        entry = json.loads(line)
+        return cls(entry["run_id"], entry["key"], anomaly_from_json(entry["anomaly"]))

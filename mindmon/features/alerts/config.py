@@ -117,7 +117,7 @@ class AlertConfig:
 
     @classmethod
     def parse(cls, path_prefix: str, section: Any) -> "AlertConfig":
-        from mindmon.features.alerts.delivery import parse_inform
+        from mindmon.features.alerts.inform import parse_inform
 
         section = check_keys(path_prefix, section, cls.KEYS)
         if not section:

@@ -10,6 +10,7 @@ Example:
     sink.close()           # waits for delivery (at most close_timeout) and logs what was delivered
 """
 import logging
+import os
 from collections import deque
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -18,8 +19,11 @@ from mindmon.records import Record, TensorStatsRecord
 from mindmon.features.alerts.actions import AlertActions
 from mindmon.features.alerts.anomaly import Anomaly
 from mindmon.features.alerts.config import AlertConfig
-from mindmon.features.alerts.delivery import Deliverer, DeliveryReport, build_recipient
-from mindmon.features.alerts.dump import AnomalyDump
+from mindmon.features.alerts.buffer import SPOOL_DIR
+from mindmon.features.alerts.delivery import Deliverer, DeliveryReport
+from mindmon.features.alerts.dump import AnomalyDump, rank_folder, run_id_of
+from mindmon.features.alerts.inform import recipient_id
+from mindmon.features.alerts.recipients import build_recipient
 from mindmon.features.alerts.rules import Verdict, first_verdict, scalar_value, tag_and_statistic
 
 LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
@@ -51,8 +55,10 @@ class AlertSink(Sink):
         self.dump = AnomalyDump(output_dir, rank) if config.dump else None
         paths = [f"{path}.inform"] if len(config.inform) == 1 else \
             [f"{path}.inform[{i}]" for i in range(len(config.inform))]
-        recipients = [build_recipient(inform, p) for inform, p in zip(config.inform, paths)]  # ConfigError now
-        self.deliverers = [Deliverer(recipient, self.logger) for recipient in recipients]
+        self.output_dir = output_dir
+        self.recipients = [build_recipient(inform, p) for inform, p in zip(config.inform, paths)]  # ConfigError now
+        self.deliverers: List[Deliverer] = []
+        self.run_id: Optional[str] = None
         self.count = 0                       # anomalies found so far
         self.recent: deque = deque(maxlen=100)
         self.reports: List[DeliveryReport] = []
@@ -66,6 +72,17 @@ class AlertSink(Sink):
             self.dump.set_rank(run.rank)
             if run.resumed:
                 self.dump.load_existing()
+        self._start_delivery(run.resumed)
+
+    def _start_delivery(self, resumed: bool = False) -> None:
+        """The delivery threads, once the rank (the spool's folder) is known; a sink used without
+        `open` starts them at its first anomaly."""
+        if self.run_id is not None or not self.recipients:
+            return
+        self.run_id = run_id_of(self.output_dir, self.rank, resumed)
+        folder = os.path.join(rank_folder(self.output_dir, self.rank), SPOOL_DIR)
+        self.deliverers = [Deliverer(recipient, self.logger, os.path.join(folder, f"{recipient_id(recipient.inform)}.jsonl"),
+                                     self.run_id) for recipient in self.recipients]
 
     def write(self, records: Sequence[Record]) -> None:
         found = []
@@ -108,6 +125,7 @@ class AlertSink(Sink):
                                 len(found) - LOGGED_PER_WRITE, found[-1].step)
         if self.dump is not None:
             self.dump.add(found)
+        self._start_delivery()
         for deliverer in self.deliverers:
             deliverer.submit(found)
         if self.actions is not None:
@@ -131,6 +149,9 @@ class AlertSink(Sink):
         try:
             self.flush()
         finally:
+            self._start_delivery()
+            for deliverer in self.deliverers:   # every recipient's close_timeout runs at the same time
+                deliverer.start_closing()
             self.reports = [deliverer.close() for deliverer in self.deliverers]
             self.deliverers = []
 
@@ -149,12 +170,12 @@ def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger
 def delivery_note(sink: AlertSink, rows: int = 10) -> List[str]:
     """Lines for a closing note, after `sink.close()`: each recipient's counts and, for databases,
     the last rows selected back (so the note shows what really arrived). Passwords masked."""
-    from mindmon.features.alerts.delivery import DatabaseInform, read_back_rows
+    from mindmon.features.alerts.inform import DatabaseInform
+    from mindmon.features.alerts.recipients import read_back_rows
 
     lines = [f"alerts: {sink.count} anomalies"]
     for inform, report in zip(sink.config.inform, sink.reports):
-        lines.append(f"  {report.recipient}: {report.delivered} delivered, {report.failed} failed, "
-                     f"{report.dropped} dropped, {report.undelivered} not delivered")
+        lines.append(f"  {report.summary()}")
         if isinstance(inform, DatabaseInform) and report.delivered:
             try:
                 selected = read_back_rows(inform.url, inform.table, rows)

@@ -11,7 +11,8 @@ def build(build, section: MaxLogitsSection) -> None:
         from mindmon.features.max_logits.monitor import MaxAttentionLogitMonitor
 
         build.add_monitor(MaxAttentionLogitMonitor(build.model, section.step_interval, build.rank,
-                                                   build.data_parallel if build.cross_rank else None, build.logger))
+                                                   build.data_parallel if build.cross_rank else None, build.logger,
+                                                   build.layout))
 
 
 FEATURE = Feature("max_logits", "callbacks", parse=MaxLogitsSection.parse, build=build,

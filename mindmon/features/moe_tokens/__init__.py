@@ -14,7 +14,7 @@ def build(build, section: MoEMonitorConfig) -> None:
         from mindmon.features.moe_tokens.monitor import MoETokensMonitor
 
         build.add_monitor(MoETokensMonitor(section, build.model, build.rank, build.on_host, build.logger,
-                                           build.cross_rank))
+                                           build.cross_rank, build.layout))
     if build.own_outputs:
         from mindmon.features.moe_tokens.sink import MegatronTokensPerExpertSink
 

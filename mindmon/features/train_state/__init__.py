@@ -7,7 +7,8 @@ def build(build, section: TrainStateConfig) -> None:
     if section.active and build.collects:
         from mindmon.features.train_state.monitor import TrainStateMonitor
 
-        build.add_monitor(TrainStateMonitor(section, build.parameter_names, build.rank, build.on_host))
+        build.add_monitor(TrainStateMonitor(section, build.parameter_names, build.rank, build.on_host,
+                                              layout=build.layout))
 
 
 FEATURE = Feature("train_state", "monitor.train_state", parse=TrainStateConfig.parse, build=build,
