@@ -91,11 +91,12 @@ class AlertSink(Sink):
         return self._series[key]
 
     def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
-        where = f"step {record.step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
+        step = record.step - 1 + self.config.first_step   # records count from 1; msprobe's dump from 0
+        where = f"step {step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
         message = (f"Rule {verdict.rule_name} reports anomaly signal in ('{tag}', '{statistic}') at {where} "
                    f"on rank {record.rank}: {verdict.detail}.")
         mates = self.group_mates if self.group_mates is not None else [record.rank]
-        return Anomaly(record.rank, record.step, record.micro_step, self._calls, record.kind, record.name, tag,
+        return Anomaly(record.rank, step, record.micro_step, self._calls, record.kind, record.name, tag,
                        statistic, x, verdict.rule_name, message, *self.stages, group_mates=mates)
 
     def _handle(self, found: List[Anomaly]) -> None:

@@ -165,7 +165,7 @@ def _alert(path: str, section: Any):
         return None
     from ..alerts.config import AlertConfig
 
-    return AlertConfig.parse(_key(path, "alert"), section)
+    return AlertConfig.parse(_key(path, "alert"), section, dialect="msprobe")
 
 
 def _key(path: str, key: str) -> str:
