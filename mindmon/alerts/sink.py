@@ -20,7 +20,7 @@ from .anomaly import Anomaly
 from .config import AlertConfig
 from .delivery import Deliverer, DeliveryReport, build_recipient
 from .dump import AnomalyDump
-from .rules import Verdict, first_verdict, scalar_value, tag_and_statistic
+from .rules import NOT_JUDGED, Verdict, first_verdict, scalar_value, tag_and_statistic
 
 LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
 
@@ -86,7 +86,8 @@ class AlertSink(Sink):
         key = (record.kind, record.name)
         if key not in self._series:
             tag, statistic = self.statistic_of(record)
-            rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)]
+            rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)
+                     and statistic not in NOT_JUDGED]
             self._series[key] = (tag, statistic, rules, (record.kind, record.name, statistic))
         return self._series[key]
 

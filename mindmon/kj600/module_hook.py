@@ -2,8 +2,8 @@
 
 The config file takes kj600's keys (every msprobe key too): `targets` with specs, `print_struct`,
 `module_ranks`, `xy_distribution`, `wg_distribution`, `mv_distribution`, `ops` (with `id`, the value of a
-0-dim tensor), `eps`, `alert` (`rules`, `inform`); `ur_distribution` and `cc_distribution` are accepted and
-said to be unimplemented; `opt_ty` (argument or key) is accepted and ignored: the Adam moments are found on
+0-dim tensor), `eps`, `alert` (`rules`, `inform`), `ur_distribution` (its heat maps as TensorBoard images),
+`mg_direction`, `cc_distribution`; `opt_ty` (argument or key) is accepted and ignored: the Adam moments are found on
 the optimizer itself.
 
 Steps: with an optimizer (given to `set_wrapped_optimizer` before `hook_modules`) a step ends at each

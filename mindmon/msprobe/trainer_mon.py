@@ -39,6 +39,7 @@ from .activations import ActivationHooks, MicroSteps, check_spec_targets, root_f
 from .config import TensorStatsConfig, _ops, load_config_json
 from .dynamic import ConfigWatcher, dynamic_mode
 from .l2_hooks import attach_l2_and_collectives, select_l2_cells
+from .optimizer_state import ADAM_RATIO, ADAM_UPDATE, MG_DIRECTION, adam_state_for, ensure_monitor
 from .structure import StackHooks, StopTraining, StructHooks
 from .targets import find_moments, optimizer_parameters, select_parameters
 
@@ -138,7 +139,7 @@ class TrainerMon:
 
     def _plan(self, config: TensorStatsConfig) -> dict:
         """What a configuration selects on this model and optimizer; a ConfigError when it cannot apply."""
-        plan = {"selected": [], "moments": None, "keep_grads": {}}
+        plan = {"selected": [], "moments": None, "keep_grads": {}, "adam": None}
         if config.collects_parameters:
             if not self.parameters:
                 raise ConfigError("optimizer: got None; allowed: the optimizer, for param_distribution, "
@@ -146,6 +147,7 @@ class TrainerMon:
             plan["selected"] = select_parameters(self.model, self.parameters, config.targets, config.squash_name)
             plan["moments"] = self._moments(config, self._optimizer, len(self.parameters))
             plan["keep_grads"] = _keeps_reduced_gradients(*self._groups, self.parameters, plan["selected"])
+            plan["adam"] = adam_state_for(config, self._optimizer, self.parameters)   # ur_distribution, mg_direction
         if config.collects_activations:
             check_spec_targets(self.model, config)
         if config.l2 is not None and config.l2.active:
@@ -157,6 +159,7 @@ class TrainerMon:
         self._detach_capabilities()
         self.config = config
         self.selected, self.moments, self._keep_grads = plan["selected"], plan["moments"], plan["keep_grads"]
+        self._adam = plan["adam"]
         self._running = config.active and config.selects_rank(self.rank)
         if not self._running:
             return
@@ -274,6 +277,7 @@ class TrainerMon:
         return ([PARAM_ORIGIN, PARAM_UPDATED] if c.param_distribution else []) + \
             ([GRAD_UNREDUCED, GRAD_REDUCED] if c.wg_distribution else []) + \
             ([EXP_AVG, EXP_AVG_SQ] if c.mv_distribution else []) + \
+            ([MG_DIRECTION] if c.mg_direction else []) + ([ADAM_UPDATE, ADAM_RATIO] if c.ur_distribution else []) + \
             ([p for p, off in ((ACTV, c.backward_only), (ACTV_GRAD, c.forward_only)) if not off]
              if c.collects_activations else []) + \
             (["module_struct"] if c.print_struct else []) + (["stack_info"] if c.stack_info else [])
@@ -300,6 +304,8 @@ class TrainerMon:
             self._struct.attach(self.model)
             return
         self._sums.per_micro_batch = config.monitor_mbs_grad
+        if self._adam is not None:
+            ensure_monitor(self.group, config, self.rank)
         self._follow_collection()
         if config.collects_activations:
             self._activations = ActivationHooks(config, self._record_activations, lambda: self._collecting,
@@ -437,6 +443,9 @@ class TrainerMon:
             first, second = self.moments
             monitor.record(EXP_AVG, [(name, first[i]) for i, name in self.selected])
             monitor.record(EXP_AVG_SQ, [(name, second[i]) for i, name in self.selected])
+        if self._adam is not None:
+            self._adam.record(monitor, self.step, self._gradients_passed(inputs), config.ur_distribution,
+                              config.mg_direction)
 
     def _finish_step(self) -> None:
         if self.config.param_distribution:
@@ -447,12 +456,15 @@ class TrainerMon:
             self.group.flush(self.step + 1)  # records count steps from 1; the CSV writes step 0
 
     def _reduced_gradients(self, inputs) -> List[tuple]:
-        """The gradients the optimizer gets: the tuple passed to its call, else each parameter's
+        return [(name, grad) for i, name, grad in self._gradients_passed(inputs) if self._keep_grads[i]]
+
+    def _gradients_passed(self, inputs) -> List[tuple]:
+        """(index, name, gradient) the optimizer gets: the tuple passed to its call, else each parameter's
         `main_grad` (when params_have_main_grad) or `grad`."""
         passed = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) else None
         if passed is not None and len(passed) == len(self.parameters):
-            return [(name, passed[i]) for i, name in self.selected if self._keep_grads[i]]
-        return [(name, grad) for i, name, grad in self._stored_gradients() if self._keep_grads[i]]
+            return [(i, name, passed[i]) for i, name in self.selected]
+        return self._stored_gradients()
 
     def _stored_gradients(self) -> List[tuple]:
         """(index, name, gradient) of the selected parameters that hold one in `main_grad`/`grad`."""
