@@ -1,6 +1,6 @@
 """ur_distribution (Adam's bias-corrected update and ratio: statistics and histograms) and mg_direction, through
 msprobe's TrainerMon on real MindSpore optimizers, against numpy from each optimizer's own m and v, read by the
-test before every update; kj600's heat maps read back with TensorBoard's reader."""
+test before every update (kj600's heat maps: test_kj600_heatmaps.py)."""
 import glob
 import json
 import os
@@ -138,47 +138,3 @@ def test_alert_rule_on_mg_direction(tmp_path, monkeypatch):
                 expected.add((t, f"{name}/mean"))
     assert fired == expected and 0 < len(expected) < STEPS * len(NAMES)
 
-
-def test_kj600_heat_maps_in_tensorboard(tmp_path, monkeypatch):
-    """kj600's recipe with ur_distribution: one heat-map image per parameter, vector and step after the
-    first, read back with TensorBoard's reader; its columns are the JSONL's counts."""
-    from io import BytesIO
-
-    from PIL import Image
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from mindmon.kj600.module_hook import TrainerMon as Kj600TrainerMon
-    from mindmon.sinks.heatmap import draw
-
-    monkeypatch.setenv("KJ600_OUTPUT_DIR", str(tmp_path / "kj600"))
-    path = tmp_path / "kj600_config.json"
-    path.write_text(json.dumps({"targets": {}, "ur_distribution": True, "ops": ["norm"]}))
-    model = make_model()
-    model.set_train(True)
-    optimizer = make_optimizer("Adam", model.trainable_params())
-    monitor = Kj600TrainerMon(str(path), params_have_main_grad=False)
-    Kj600TrainerMon.set_wrapped_optimizer(optimizer)
-    monitor.hook_modules(model, K)
-    train_steps(model, optimizer)
-    monitor.close()
-    (events,) = glob.glob(str(tmp_path / "kj600" / "*-rank0-*" / "rank_0"))
-    accumulator = EventAccumulator(events, size_guidance={"images": 0})
-    accumulator.Reload()
-    tags = accumulator.Tags()
-    expected = {f"{kind}_histogram/{name}" for kind in ("adam_update", "adam_ratio") for name in NAMES}
-    assert set(tags["images"]) == expected
-    assert not any("histogram" in tag for tag in tags["scalars"])   # counts are images, not 33 curves
-    assert {tag for tag in tags["scalars"] if tag.startswith("adam_")} == \
-        {f"{kind}/{name}/norm" for kind in ("adam_update", "adam_ratio") for name in NAMES}
-    for tag in expected:
-        images = accumulator.Images(tag)
-        assert [image.step for image in images] == list(range(2, STEPS + 1))   # steps from 1; none at the first
-        picture = np.asarray(Image.open(BytesIO(images[-1].encoded_image_string)).convert("RGB"))
-        assert picture.shape == (images[-1].height, images[-1].width, 3) and picture.std() > 0
-    # The last image is the drawing of the counts of every step so far (drawing is deterministic).
-    sink = monitor.sink
-    counts = np.array(sink.heatmaps.columns[("adam_update_histogram", "fc1.weight")], dtype=np.float64).T
-    assert counts.shape == (33, STEPS - 1) and (counts.sum(axis=0) == 32).all()   # fc1.weight: 8 x 4
-    last = accumulator.Images("adam_update_histogram/fc1.weight")[-1]
-    drawn = draw(counts, list(range(2, STEPS + 1)), "fc1.weight: adam_update_histogram")
-    assert np.array_equal(np.asarray(Image.open(BytesIO(last.encoded_image_string)).convert("RGB")), drawn)
