@@ -125,7 +125,8 @@ class TrainerMon:
             return
         self.model, self.grad_acc_steps = model, grad_acc_steps
         self._groups = (dp_group, tp_group)
-        self.parameters = optimizer_parameters(optimizer) if optimizer is not None else ()
+        self.parameters = optimizer_parameters(optimizer) if optimizer is not None else \
+            self._parameters_without_optimizer(model)
         self._optimizer = optimizer
         plan = self._plan(self.config) if self._dynamic is None else None
         self.step = start_iteration
@@ -136,6 +137,10 @@ class TrainerMon:
         else:
             logger.info("mindmon: DYNAMIC_MONITOR=True: monitoring starts the step after %s says dynamic_on: true",
                         self.config_path)
+
+    def _parameters_without_optimizer(self, model) -> tuple:
+        """msprobe monitors parameters through the optimizer only (kj600's TrainerMon: the model's)."""
+        return ()
 
     def _plan(self, config: TensorStatsConfig) -> dict:
         """What a configuration selects on this model and optimizer; a ConfigError when it cannot apply."""
@@ -381,7 +386,11 @@ class TrainerMon:
         """Without an optimizer (kj600's hook_modules): a step ends when the model starts its forward
         number grad_acc_steps + 1."""
         if self._micro_steps.forwards == self.grad_acc_steps:
-            self._after_update(None, (), None)
+            self._end_step_without_optimizer()
+
+    def _end_step_without_optimizer(self) -> None:
+        self._before_update(None, ())   # the step's summed gradients (kj600 hooks them without an optimizer)
+        self._after_update(None, (), None)
 
     def _end_step_hooks(self) -> None:
         if self._activations is not None:
@@ -438,6 +447,7 @@ class TrainerMon:
             monitor.record(PARAM_ORIGIN, [(name, self.parameters[i]) for i, name in self.selected])
         if config.wg_distribution:
             monitor.record(GRAD_UNREDUCED, self._sums.named_sums())
+        if config.wg_distribution and self._optimizer is not None:   # without one, nothing is reduced for it
             monitor.record(GRAD_REDUCED, self._reduced_gradients(inputs))
         if self.moments is not None:
             first, second = self.moments
