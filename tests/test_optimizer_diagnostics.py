@@ -30,6 +30,12 @@ MOMENTS = {"AdamWeightDecay": ("moments1", "moments2", float(np.float32(1e-6))),
            "mindformers.AdamW": ("exp_avg", "exp_avg_sq", float(np.float32(1e-8)))}
 
 
+@pytest.fixture(autouse=True)
+def output_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    return tmp_path / "out"
+
+
 def train(tmp_path, kind, config=CONFIG, steps=STEPS):
     """msprobe's loop; before every update the test copies the gradients and the optimizer's m and v."""
     model = make_model()
@@ -122,7 +128,6 @@ def test_optimizer_without_moments_is_one_line_at_set_monitor(tmp_path):
 
 def test_alert_rule_on_mg_direction(tmp_path, monkeypatch):
     """AnomalyNan with a threshold on mg_direction's mean fires exactly where numpy's share is above it."""
-    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     threshold = 0.8
     rule = {"rule_name": "AnomalyNan", "args": {"threshold": threshold}, "kinds": ["mg_direction"],
             "statistics": ["mean"]}
