@@ -133,27 +133,31 @@ def make_optimizer(kind, parameters):
 def msprobe_loop(TrainerMon, config_path, optimizer_kind="AdamWeightDecay", steps=STEPS):
     """The loop an msprobe user writes: value_and_grad on loss / K per micro-batch, gradients summed,
     one optimizer call per step. Returns the monitor."""
-    import mindspore as ms
-    from mindspore import nn, value_and_grad
-
     model = make_model()
     model.set_train(True)
     optimizer = make_optimizer(optimizer_kind, model.trainable_params())
     monitor = TrainerMon(config_path, params_have_main_grad=False)
     monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
+    train_steps(model, optimizer, steps)
+    return monitor
+
+
+def train_steps(model, optimizer, steps=STEPS, before_update=None):
+    """value_and_grad on loss / K per micro-batch, gradients summed, one optimizer call per step;
+    `before_update(summed)` is called before each call."""
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+
     loss_fn = nn.MSELoss()
-
-    def forward(x, y):
-        return loss_fn(model(x), y) / K
-
-    grad_fn = value_and_grad(forward, None, optimizer.parameters)
+    grad_fn = value_and_grad(lambda x, y: loss_fn(model(x), y) / K, None, optimizer.parameters)
     for step in range(steps):
         summed = None
         for x, y in batches()[step]:
             _, grads = grad_fn(ms.Tensor(x), ms.Tensor(y))
             summed = grads if summed is None else tuple(a + b for a, b in zip(summed, grads))
+        if before_update is not None:
+            before_update(summed)
         optimizer(summed)
-    return monitor
 
 
 def main_grad_loop(TrainerMon, config_path, attribute="main_grad", steps=STEPS):

@@ -1,6 +1,6 @@
 """L2 features against independent float64 numpy: attention entropy and softmax max from the same Q and K
 (both sa_order layouts, causal or not, chunked or not, numpy and MindSpore paths), stable rank and kernel
-norm against numpy.linalg.svd / norm, the power iteration on a matrix with a known spectrum."""
+norm against numpy.linalg.svd / norm, close top singular values, cold and warm starts."""
 import numpy as np
 import pytest
 
@@ -8,7 +8,7 @@ import mindspore as ms
 
 from mindmon.features.l2.monitor import (ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor, attention_features_device,
                                           attention_features_numpy, linear_features_device, linear_features_numpy,
-                                          spectral_norm)
+                                          power_iteration, spectral_norm)
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 
@@ -81,19 +81,61 @@ def matrix_with_spectrum(singular_values, rows, seed=0):
     return (u * np.asarray(singular_values)) @ v.T
 
 
-def test_power_iteration_converges_to_the_known_top_singular_value_and_warm_start_is_faster():
-    spectrum = [5.0, 4.0, 2.0, 1.0, 0.5, 0.25]
-    w = matrix_with_spectrum(spectrum, 10).astype(np.float32)
-    sigma, vector, cold = spectral_norm(w, tolerance=1e-7, max_iterations=500)
-    assert sigma == pytest.approx(5.0, rel=1e-5)
-    # Convergence rate (sigma_2 / sigma_1)^2 = 0.64 per iteration on W^T W: dozens of iterations cold.
-    assert cold >= 10, cold
-    nudged = (w + 1e-3 * np.random.default_rng(3).standard_normal(w.shape)).astype(np.float32)
-    want = np.linalg.svd(nudged.astype(np.float64), compute_uv=False)[0]
-    sigma2, _, warm = spectral_norm(nudged, start=vector, tolerance=1e-7, max_iterations=500)
-    _, _, cold2 = spectral_norm(nudged, tolerance=1e-7, max_iterations=500)
-    assert sigma2 == pytest.approx(want, rel=1e-5)
-    assert warm < cold2 / 2, (warm, cold2)
+def close_top_spectrum(rows, cols, gap, seed):
+    """A float32 rows x cols matrix whose top two singular values are 1 and 1 - gap (the rest spread below)."""
+    size = min(rows, cols)
+    spectrum = np.linspace(1.0, 0.05, size)
+    spectrum[1] = 1.0 - gap
+    rng = np.random.default_rng(seed)
+    u, _ = np.linalg.qr(rng.standard_normal((rows, size)))
+    v, _ = np.linalg.qr(rng.standard_normal((cols, size)))
+    return ((u * spectrum) @ v.T).astype(np.float32)
+
+
+def svd_top(w):
+    return np.linalg.svd(w.astype(np.float64), compute_uv=False)[0]
+
+
+SHAPES = [(8, 8), (24, 16), (96, 80), (200, 130), (70, 300)]   # exact path, Lanczos on either side
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gap", [1e-2, 1e-3, 1e-5])
+def test_spectral_norm_with_close_top_singular_values_cold_and_warm(shape, gap):
+    """Within 1e-6 of numpy's SVD (the residual bound: 5e-7, plus float32 data), from a cold start and
+    warm-started from the vector of the matrix one step earlier, when the top two values are close."""
+    w = close_top_spectrum(*shape, gap, seed=1)
+    sigma, vector = spectral_norm(w)
+    assert sigma == pytest.approx(svd_top(w), rel=1e-6)
+    stepped = (w + 1e-3 * np.random.default_rng(2).standard_normal(shape)).astype(np.float32)   # an update
+    warm, _ = spectral_norm(stepped, vector)
+    assert warm == pytest.approx(svd_top(stepped), rel=1e-6)
+
+
+def test_power_iteration_leaves_errors_the_bounded_method_does_not():
+    """Why the stable rank is not taken by power iteration: with a gap of 1e-3 its estimate stops moving
+    (1e-6 per iteration) far from the top value; this is the error the tests above rule out."""
+    w = close_top_spectrum(200, 130, 1e-3, seed=1)
+    estimate, _, _ = power_iteration(w, tolerance=1e-6, max_iterations=100)
+    assert abs(estimate - svd_top(w)) / svd_top(w) > 1e-4
+
+
+def test_random_dense_weight_over_steps_through_the_monitor():
+    """An 8x8 and a 128x96 Dense weight, random, over four steps of updates: `sr` of every step (the
+    later ones warm-started) within 1e-5 of numpy's SVD."""
+    rng = np.random.default_rng(5)
+    weights = {"fc.linear": rng.standard_normal((8, 8)).astype(np.float32) / np.sqrt(8),
+               "proj.linear": rng.standard_normal((128, 96)).astype(np.float32) / np.sqrt(96)}
+    monitor = L2FeaturesMonitor(on_host=True)
+    for step in range(1, 5):
+        for name, w in weights.items():
+            monitor.record(LINEAR_HOOK, (name, ms.Tensor(w)))
+        for record in monitor.collect(step):
+            w = weights[record.name].astype(np.float64)
+            assert record.value[0] == pytest.approx(np.linalg.norm(w) / svd_top(w), rel=1e-5), (step, record.name)
+        weights = {n: (w - 0.05 * rng.standard_normal(w.shape) / np.sqrt(w.shape[1])).astype(np.float32)
+                   for n, w in weights.items()}
+    assert monitor.vectors["proj.linear"] is not None   # the large one is carried to the next step
 
 
 @pytest.mark.parametrize("shape", [(24, 16), (8, 30)])

@@ -157,7 +157,7 @@ def test_check_config_command(tmp_path):
 def test_power_iteration_converges_on_a_known_spectrum():
     """stable_rank_config's power_iteration_num rounds of the shared power iteration (tolerance 0: a
     fixed count, as MindFormers counts them)."""
-    from mindmon.features.l2.monitor import spectral_norm
+    from mindmon.features.l2.monitor import power_iteration
 
     rng = np.random.default_rng(0)
     singular = np.array([10.0, 5.0, 2.0, 1.0, 0.5])
@@ -165,10 +165,10 @@ def test_power_iteration_converges_on_a_known_spectrum():
     v, _ = np.linalg.qr(rng.standard_normal((5, 5)))
     weight = (u @ np.diag(singular) @ v.T).astype(np.float32)
     start = rng.standard_normal(5).astype(np.float32)
-    sigma, vector, used = spectral_norm(weight, start, tolerance=0.0, max_iterations=40)
+    sigma, vector, used = power_iteration(weight, start, tolerance=0.0, max_iterations=40)
     assert used <= 40 and sigma ** 2 == pytest.approx(100.0, rel=1e-6)   # stops early only when exactly converged
     assert abs(vector @ v[:, 0]) == pytest.approx(1.0, rel=1e-6)                  # the top right singular vector
-    few, _, _ = spectral_norm(weight, start, tolerance=0.0, max_iterations=2)
+    few, _, _ = power_iteration(weight, start, tolerance=0.0, max_iterations=2)
     assert few ** 2 < 100.0                                                        # |Wv| <= sigma_max: from below
 
 

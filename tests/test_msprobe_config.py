@@ -28,6 +28,8 @@ BAD = [
     ({"wg_distribution": 1}, "wg_distribution"),
     ({"mv_distribution": None}, "mv_distribution"),
     ({"monitor_mbs_grad": "true"}, "monitor_mbs_grad"),
+    ({"ur_distribution": "yes"}, "ur_distribution"),
+    ({"mg_direction": 1}, "mg_direction"),
     ({"ops": "norm"}, "ops"),
     ({"ops": ["norm", "std"]}, "ops"),
     ({"eps": 0}, "eps"),
@@ -100,8 +102,11 @@ def test_documented_full_config_parses_and_names_later_capabilities(caplog):
     assert config.param_distribution and config.wg_distribution and config.mv_distribution
     assert config.module_ranks == (0, 1, 2, 3) and config.ndigits == 12
     messages = [r.getMessage() for r in caplog.records]
-    for capability in ("update/ratio heat maps",):
-        assert sum(capability in m for m in messages) == 1, (capability, messages)
+    assert config.ur_distribution and not any("ur_distribution" in m for m in messages)   # implemented
+    assert parse_tensor_stats({"mg_direction": True}).mg_direction
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        parse_tensor_stats({"mg_distribution": True})
+    assert sum("mg_distribution" in r.getMessage() for r in caplog.records) == 1
     assert config.cc.enable and not any("cc_distribution" in m for m in messages)  # implemented: no warning
     assert config.alert is not None and config.alert.active   # alerts are built: the block is parsed
     # Activations are implemented: parsed, not named as missing.

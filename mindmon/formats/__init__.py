@@ -6,5 +6,6 @@ writer the sinks use and the reader the offline tools use), so a format cannot d
 - `log_lines`: the training-log lines (train_state, tokens per expert, max attention logit) and
   MindFormers' own LossCallback line, which mindmon only reads;
 - `megatron_tpe`: `tokens_per_expert/rank<r>.jsonl` in Megatron-Core's schema;
+- `histogram`: the counts of a histogram record (Adam's update and ratio, 30 bins over [-1, 1]);
 - `msprobe_csv`: msprobe's `<prefix>_<start>-<end>.csv` tensor-statistics files.
 """

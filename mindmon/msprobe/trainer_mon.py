@@ -31,13 +31,15 @@ logger = logging.getLogger("mindmon")
 
 class TrainerMon:
     """msprobe's `TrainerMon` (MindSpore flavour) for weights, gradients, optimizer state and activations.
-    `config` and `sink` (keyword only) serve other front doors: an already parsed configuration, and the
-    sink to write to instead of msprobe's CSV files (kj600 hands in its TensorBoard sink) with the folder
-    its other files (stack_info.csv) go to."""
+    The keyword-only arguments serve other front doors: an already parsed `config`; the `sink` to write to
+    instead of msprobe's CSV files (kj600 hands in its TensorBoard sink) and the `run_folder` its other
+    files (stack_info.csv) go to; the parameters to watch when no optimizer is given
+    (`parameters_without_optimizer(model)`: kj600 watches the model's; msprobe, none)."""
 
     def __init__(self, config_file_path: Optional[str], process_group=None, params_have_main_grad: bool = True,
                  opt_ty=None, *, config: Optional[TensorStatsConfig] = None, sink: Optional[Sink] = None,
-                 run_folder: Optional[Callable[[], str]] = None, extra_sinks: Sequence[Sink] = ()):
+                 run_folder: Optional[Callable[[], str]] = None, extra_sinks: Sequence[Sink] = (),
+                 parameters_without_optimizer: Callable[[object], Sequence] = lambda model: ()):
         if opt_ty is not None:
             warnings.warn("TrainerMon(opt_ty=...) is deprecated and ignored: the optimizer type is read from "
                           "the optimizer given to set_monitor", DeprecationWarning, stacklevel=2)
@@ -47,6 +49,7 @@ class TrainerMon:
         self.params_have_main_grad = params_have_main_grad
         self.sink = sink if sink is not None else MsprobeCsvSink.for_config(self.config)
         self.run_folder = run_folder or (lambda: self.sink.folder)
+        self.parameters_without_optimizer = parameters_without_optimizer
         self.extra_sinks = list(extra_sinks)
         self.rank = DataParallel().rank
         self.hooks: Optional[TensorStatsHooks] = None
@@ -80,10 +83,11 @@ class TrainerMon:
             self.hooks.set_ops(self._ops)
 
     def set_monitor(self, model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None,
-                    start_iteration: int = 0) -> None:
+                    start_iteration: int = 0, *, later: Optional[TensorStatsConfig] = None) -> None:
         """Attach to `model`'s cells and parameters and this `optimizer` instance. Checks everything before
         training. With DYNAMIC_MONITOR=True only the step-end hook is attached until config.json says
-        `dynamic_on: true` (mindmon/features/tensor_stats/dynamic.py)."""
+        `dynamic_on: true` (mindmon/features/tensor_stats/dynamic.py). `later` (mindmon's): the configuration
+        that applies once `take_optimizer` gives the optimizer it needs; the outputs are built for it."""
         for key, value, low in (("grad_acc_steps", grad_acc_steps, 1), ("start_iteration", start_iteration, 0)):
             if not is_int(value) or value < low:
                 raise ConfigError(f"{key}: got {value!r}; allowed: an int >= {low}")
@@ -96,28 +100,38 @@ class TrainerMon:
             return
         self.model = model
         config = self.config if self._ops == self.config.ops else dataclasses.replace(self.config, ops=self._ops)
-        hooks = self._build(config, watcher)
+        hooks = self._build(config, watcher, later)
         self.group.setup(start_step=start_iteration, micro_steps_per_step=grad_acc_steps)
+        at = attachment(model, grad_acc_steps, optimizer, dp_group, tp_group, self.parameters_without_optimizer(model))
         try:
-            hooks.attach(attachment(model, grad_acc_steps, optimizer, dp_group, tp_group), start_iteration)
+            hooks.attach(at, start_iteration)
         except BaseException:   # a refused configuration leaves nothing attached and no files open
             self.group.close()
             self.group = None
             raise
         self.hooks = hooks
 
-    def _build(self, config: TensorStatsConfig, watcher) -> TensorStatsHooks:
-        """The group (built by the factory from the translated config) and the feature's hooks."""
+    def _build(self, config: TensorStatsConfig, watcher, later: Optional[TensorStatsConfig]) -> TensorStatsHooks:
+        """The group (built by the factory from the translated config: `later`'s, when it is given, which
+        asks for as much or more) and the feature's hooks, running `config` for now."""
         from mindmon.factory import build, group_of
 
-        sections = {"tensor_stats": config, "alert": config.alert}
+        outputs_for = later or config
+        sections = {"tensor_stats": outputs_for, "alert": outputs_for.alert}
         translated = MindmonConfig(MonitorConfig(output_dir=csv_output_root(), sections=sections))
         built = build(translated, rank=self.rank, logger=logger, outputs=[self.sink] + self.extra_sinks,
                       data_parallel=DataParallel())
         self.group = group_of(built)
-        return built.parts["tensor_stats"](run_folder=self.run_folder, watcher=watcher,
+        return built.parts["tensor_stats"](config=config, run_folder=self.run_folder, watcher=watcher,
                                            on_step_end=self.group.flush, recorder=self.group,
                                            params_have_main_grad=self.params_have_main_grad)
+
+    def take_optimizer(self, optimizer, config: TensorStatsConfig) -> None:
+        """An optimizer given after set_monitor, before training: the hooks attach to it, with `config`
+        (the one given to set_monitor as `later`)."""
+        hooks = self.hooks
+        at = attachment(self.model, hooks.at.grad_acc_steps, optimizer, hooks.at.dp_group, hooks.at.tp_group)
+        hooks.reattach(at, config)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:
         """Switches activation collection on or off from the next hook call on (deprecated: dynamic on/off

@@ -12,8 +12,9 @@ import os
 from collections import defaultdict
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink
+from mindmon.engine import RunInfo, Sink, SinkClosedError
 from mindmon.sinks.lines import unwritable
+from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.formats.layout import global_micro_step, rank_dir
 from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
                        MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, SAMPLES, TOKENS_PER_EXPERT,
@@ -50,7 +51,7 @@ def record_tags(record: Record) -> List[Tuple[str, float]]:
     Example:
         record_tags(Record(3, None, 0, "grad_norm", "global", 1.2))   # [("grad-norm", 1.2)]
     """
-    if record.kind == SAMPLES:
+    if record.kind == SAMPLES or record.kind in HISTOGRAM_KINDS:   # histograms are images (below)
         return []
     if isinstance(record.value, list):
         return list(_list_tags(record))
@@ -59,6 +60,10 @@ def record_tags(record: Record) -> List[Tuple[str, float]]:
     if record.kind in KIND_TAGS:
         return [(record.kind, record.value)]
     return [(f"{record.kind}/{record.name}", record.value)]
+
+
+def histogram_tag(record: Record) -> str:
+    return f"{record.kind}/{record.name}"
 
 
 class Axes:
@@ -108,9 +113,12 @@ class TensorBoardSink(Sink):
         sink.close()
     """
 
-    def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags):
+    def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags,
+                 image_tag=histogram_tag):
         self.tensorboard_dir = tensorboard_dir
         self.tags = tags   # record -> [(tag, value)]; monitor_config gives MindFormers' tags (sinks/training_state.py)
+        self.image_tag = image_tag   # histogram record -> the tag of its heat map image
+        self.heatmaps = None         # mindmon.sinks.heatmap.Heatmaps, at the first histogram record
         self.log_interval = log_interval
         self.queue_size = queue_size
         self.log_dir: Optional[str] = None
@@ -134,10 +142,22 @@ class TensorBoardSink(Sink):
         self.axes.see(records)
         for record in records:
             step, samples = self.axes.step(record), self.axes.samples(record)
+            if record.kind in HISTOGRAM_KINDS:
+                self._add_heatmap(record, step)
             for tag, value in self.tags(record):
                 self._writer.add_scalar(tag, value, step)
                 if samples is not None:
                     self._writer.add_scalar(tag + VS_SAMPLES, value, samples)
+
+    def _add_heatmap(self, record: Record, step: int) -> None:
+        """The record's heat map with its new column, as an image (kj600's form of the update/ratio
+        histograms): drawn again at every step, so the image at step s shows steps up to s."""
+        if self.heatmaps is None:
+            from .heatmap import Heatmaps
+
+            self.heatmaps = Heatmaps()
+        image = self.heatmaps.add(record, step)
+        self._writer.add_image(self.image_tag(record), image, step, dataformats="HWC")
 
     def flush(self) -> None:
         if self._writer is not None and not self.closed:

@@ -14,15 +14,22 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from mindmon.config import ConfigError, check_bool, check_keys, is_int, type_error, value_error
-from mindmon.features.alerts.rules import RULES, Rule
+from mindmon.features.alerts.msprobe_rule import EmaTurbulence
+from mindmon.features.alerts.rules import RULES, AnomalyTurbulence, Rule
 
 SELECTION_KEYS = ("kinds", "statistics")
 RULE_ARGS = {  # rule_name -> {arg: required?}
-    "AnomalyTurbulence": {"threshold": True, "window": False, "direction": False},
+    "AnomalyTurbulence": {"threshold": True, "window": False, "direction": False, "average": False},
     "AnomalyNan": {"threshold": False},
     "LossSpike": {"threshold": False, "window": False, "min_history": False},
     "MoELoadImbalance": {"threshold": True},
 }
+# Which config a block came from: msprobe's and kj600's config.json follow msprobe's rules (its
+# AnomalyTurbulence, 0-based steps in the dump); mindmon's YAML follows mindmon's.
+DIALECTS = ("mindmon", "msprobe")
+# AnomalyTurbulence's history: "mean" of the earlier |x| (mindmon's), "ema" (msprobe's exponential average).
+TURBULENCE_AVERAGES = {"mean": AnomalyTurbulence, "ema": EmaTurbulence}
+DEFAULT_AVERAGE = {"mindmon": "mean", "msprobe": "ema"}
 
 
 def _number(path: str, value: Any, minimum: float = 0.0) -> float:
@@ -54,9 +61,26 @@ def _rule_arg(path: str, rule_name: str, key: str, value: Any):
         return None if value is None and rule_name == "AnomalyTurbulence" else _positive_int(path, value)
     if key == "min_history":
         return _positive_int(path, value)
+    if key == "average":
+        if value not in TURBULENCE_AVERAGES:
+            raise _value_error(path, value, f"one of {list(TURBULENCE_AVERAGES)}")
+        return value
     if value not in ("both", "up"):
         raise value_error(path, value, '"both" or "up"')
     return value
+
+
+def _turbulence_args(path: str, parsed: Dict[str, Any], dialect: str) -> Dict[str, Any]:
+    """The average made explicit (the dialect's default), and `window` only where it means something."""
+    parsed = dict(parsed)
+    parsed.setdefault("average", DEFAULT_AVERAGE[dialect])
+    if parsed["average"] == "ema" and parsed.get("window") is not None:
+        raise _value_error(f"{path}.args.window", parsed["window"],
+                           'no window with average "ema" (the exponential average weighs every earlier value); '
+                           'a window needs average "mean"')
+    if parsed["average"] == "ema":
+        parsed.pop("window", None)   # `window: null` says "no window", which is what ema means
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -67,7 +91,7 @@ class RuleConfig:
     statistics: Optional[Tuple[str, ...]] = None
 
     @classmethod
-    def parse(cls, path: str, section: Any) -> "RuleConfig":
+    def parse(cls, path: str, section: Any, dialect: str = "mindmon") -> "RuleConfig":
         section = check_keys(path, section, ("rule_name", "args") + SELECTION_KEYS)
         name = section.get("rule_name")
         if name not in RULES:
@@ -81,12 +105,17 @@ class RuleConfig:
         if name == "LossSpike" and parsed.get("min_history", 5) > parsed.get("window", 10):
             raise value_error(f"{path}.args.min_history", parsed.get("min_history", 5),
                                f"at most window ({parsed.get('window', 10)})")
+        if name == "AnomalyTurbulence":
+            parsed = _turbulence_args(path, parsed, dialect)
         selection = {key: _names(f"{path}.{key}", section[key]) for key in SELECTION_KEYS
                      if section.get(key) is not None}
         return cls(name, parsed, **selection)
 
     def build(self) -> Rule:
-        return RULES[self.rule_name](kinds=self.kinds, statistics=self.statistics, **self.args)
+        args = dict(self.args)
+        rule = TURBULENCE_AVERAGES[args.pop("average")] if self.rule_name == "AnomalyTurbulence" else \
+            RULES[self.rule_name]
+        return rule(kinds=self.kinds, statistics=self.statistics, **args)
 
     def to_dict(self) -> dict:
         out = {"rule_name": self.rule_name, "args": dict(self.args)}
@@ -94,10 +123,10 @@ class RuleConfig:
         return out
 
 
-def _rules(path: str, value: Any) -> Tuple[RuleConfig, ...]:
+def _rules(path: str, value: Any, dialect: str) -> Tuple[RuleConfig, ...]:
     if not isinstance(value, list) or not value:
         raise type_error(path, value, 'a non-empty list of {"rule_name": ..., "args": {...}}')
-    return tuple(RuleConfig.parse(f"{path}[{i}]", rule) for i, rule in enumerate(value))
+    return tuple(RuleConfig.parse(f"{path}[{i}]", rule, dialect) for i, rule in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -108,6 +137,7 @@ class AlertConfig:
     stop_on_anomaly: bool = False
     skip_nonfinite_update: bool = False
     path: str = "monitor.alert"             # where it was read, for the errors found when it is built
+    dialect: str = "mindmon"                # "msprobe": from msprobe's or kj600's config.json
 
     KEYS = ("rules", "dump", "inform", "stop_on_anomaly", "skip_nonfinite_update")
 
@@ -115,20 +145,26 @@ class AlertConfig:
     def active(self) -> bool:
         return bool(self.rules)
 
+    @property
+    def first_step(self) -> int:
+        """The number of a run's first step in the dump: 0 as msprobe's files (and their CSV) count,
+        1 as mindmon's records count."""
+        return 0 if self.dialect == "msprobe" else 1
+
     @classmethod
-    def parse(cls, path_prefix: str, section: Any) -> "AlertConfig":
+    def parse(cls, path_prefix: str, section: Any, dialect: str = "mindmon") -> "AlertConfig":
         from mindmon.features.alerts.inform import parse_inform
 
         section = check_keys(path_prefix, section, cls.KEYS)
         if not section:
-            return cls(path=path_prefix)
+            return cls(path=path_prefix, dialect=dialect)
         if "rules" not in section:
             raise ConfigError(f"{path_prefix}.rules: missing; allowed: a non-empty list of rules "
                               f"(rule_name one of {sorted(RULES)})")
         flags = {key: check_bool(f"{path_prefix}.{key}", section[key])
                  for key in ("dump", "stop_on_anomaly", "skip_nonfinite_update") if key in section}
-        return cls(rules=_rules(f"{path_prefix}.rules", section["rules"]),
-                   inform=parse_inform(f"{path_prefix}.inform", section.get("inform")), path=path_prefix, **flags)
+        return cls(rules=_rules(f"{path_prefix}.rules", section["rules"], dialect),
+                   inform=parse_inform(f"{path_prefix}.inform", section.get("inform")), path=path_prefix, dialect=dialect, **flags)
 
     def build_rules(self) -> List[Rule]:
         return [rule.build() for rule in self.rules]

@@ -37,7 +37,9 @@ KIND_STATISTICS = {
     "moe_min_tokens": "min", "moe_max_tokens": "max", "moe_idle_experts": "count",
     "tokens_per_expert": "tokens", "tokens_per_expert_step": "tokens",
     "learning_rate": "lr", "samples": "count",
+    "adam_update_histogram": "histogram", "adam_ratio_histogram": "histogram",
 }
+NOT_JUDGED = ("histogram",)   # counts of a distribution, not a value of the run: no rule reads them
 MSPROBE_STATISTICS = ("norm", "min", "max", "mean", "nans", "zeros", "shape", "dtype",
                       "entropy", "softmax_max", "sr", "kernel_norm")   # the last four: L2 features
 

@@ -24,7 +24,7 @@ from mindmon.features.alerts.delivery import Deliverer, DeliveryReport
 from mindmon.features.alerts.dump import AnomalyDump, rank_folder, run_id_of
 from mindmon.features.alerts.inform import recipient_id
 from mindmon.features.alerts.recipients import build_recipient
-from mindmon.features.alerts.rules import Verdict, first_verdict, scalar_value, tag_and_statistic
+from mindmon.features.alerts.rules import NOT_JUDGED, Verdict, first_verdict, scalar_value, tag_and_statistic
 
 LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
 
@@ -103,16 +103,18 @@ class AlertSink(Sink):
         key = (record.kind, record.name)
         if key not in self._series:
             tag, statistic = self.statistic_of(record)
-            rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)]
+            rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)
+                     and statistic not in NOT_JUDGED]
             self._series[key] = (tag, statistic, rules, (record.kind, record.name, statistic))
         return self._series[key]
 
     def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
-        where = f"step {record.step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
+        step = record.step - 1 + self.config.first_step   # records count from 1; msprobe's dump from 0
+        where = f"step {step}" + ("" if record.micro_step is None else f", micro-step {record.micro_step}")
         message = (f"Rule {verdict.rule_name} reports anomaly signal in ('{tag}', '{statistic}') at {where} "
                    f"on rank {record.rank}: {verdict.detail}.")
         mates = self.group_mates if self.group_mates is not None else [record.rank]
-        return Anomaly(record.rank, record.step, record.micro_step, self._calls, record.kind, record.name, tag,
+        return Anomaly(record.rank, step, record.micro_step, self._calls, record.kind, record.name, tag,
                        statistic, x, verdict.rule_name, message, *self.stages, group_mates=mates)
 
     def _handle(self, found: List[Anomaly]) -> None:

@@ -9,8 +9,9 @@ Both in float32, over chunks of query rows, so that no more than `chunk_elements
 
 Linear weight W (2-D, float32):
     kernel_norm   ||W||_F
-    sr            ||W||_F / ||W||_2, the spectral norm ||W||_2 by power iteration on W^T W, warm-started
-                  from the previous step's vector of the same weight.
+    sr            ||W||_F / ||W||_2, the spectral norm ||W||_2 on CPU to a residual bound (Lanczos on W^T W,
+                  warm-started from the previous step's vector of the same weight; small W exactly), on a
+                  device by a fixed number of power iterations.
 
 On CPU (`on_host`) everything is numpy on the tensor's memory; elsewhere MindSpore ops, the results kept on
 the device and read once at `collect`.
@@ -37,9 +38,8 @@ LINEAR_OPS = ("sr", "kernel_norm")
 SA_ORDERS = ("s,b,h,d", "b,s,h,d")
 CHUNK_ELEMENTS = 1 << 22        # scores held at once: 16 MiB of float32
 MASKED = -1.0e30                # a finite "minus infinity": exp() gives 0 and 0 * MASKED stays 0 (no NaN)
-POWER_TOLERANCE = 1e-6          # relative change of the spectral-norm estimate that ends the iteration
-COLD_ITERATIONS = 100           # at most, for a weight seen the first time
-WARM_ITERATIONS = 20            # at most, from the previous step's vector
+SPECTRAL_TOLERANCE = 1e-6       # residual bound of the Lanczos Ritz pair, relative: sigma to 5e-7 relative
+EXACT_SIDE = 64                 # up to this smaller side a full singular-value decomposition is the faster way
 DEVICE_ITERATIONS = (100, 4)    # fixed (cold, warm) counts on a device, where a tolerance would need a host read;
                                 # the warm iterations of successive steps add up while the weight moves slowly
 
@@ -133,10 +133,39 @@ def attention_features_device(q, k, sa_order: str = "s,b,h,d", causal: bool = Fa
 
 # --- linear weights ----------------------------------------------------------------------------------------
 
-def spectral_norm(matrix: np.ndarray, start: Optional[np.ndarray] = None, tolerance: float = POWER_TOLERANCE,
-                  max_iterations: int = COLD_ITERATIONS) -> Tuple[float, np.ndarray, int]:
-    """(||W||_2, right singular vector estimate, iterations used) by power iteration on W^T W, run on the
-    smaller side of W. Stops when the estimate changes by less than `tolerance` relative."""
+def spectral_norm(matrix: np.ndarray, start: Optional[np.ndarray] = None, tolerance: float = SPECTRAL_TOLERANCE
+                  ) -> Tuple[float, Optional[np.ndarray]]:
+    """(||W||_2, right singular vector estimate for a warm start, or None) of a 2-D float32 W, to a bound.
+
+    A small W (smaller side <= EXACT_SIDE) by LAPACK's singular values. Otherwise Lanczos (ARPACK through
+    scipy's eigsh) on W^T W over W's smaller side, started from `start` (the previous step's vector) when
+    it fits: it stops when the Ritz pair's residual ||W^T W x - theta x|| <= tolerance * theta, which puts
+    theta within that residual of an eigenvalue of W^T W, i.e. sigma within tolerance / 2 relative of a
+    singular value; the top Ritz value over the Krylov space is the top one unless the start is orthogonal
+    to its vector. Power iteration has no such bound: its error with close top singular values stays
+    large while its estimate has stopped moving."""
+    from scipy.linalg import svdvals
+    from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+
+    w = matrix if matrix.shape[0] >= matrix.shape[1] else matrix.T
+    if w.shape[1] <= EXACT_SIDE:
+        return float(svdvals(w, check_finite=False)[0]), None
+    size = w.shape[1]
+    v0 = start if start is not None and start.shape == (size,) and np.any(start) else _cold_start(size)
+    gram = LinearOperator((size, size), matvec=lambda x: w.T @ (w @ x), dtype=w.dtype)
+    try:
+        values, vectors = eigsh(gram, k=1, which="LA", tol=tolerance, v0=v0)
+    except ArpackNoConvergence:   # never seen; the exact value then, at the cost of a full decomposition
+        return float(svdvals(w, check_finite=False)[0]), None
+    return float(np.sqrt(max(float(values[0]), 0.0))), vectors[:, 0].astype(np.float32)
+
+
+def power_iteration(matrix: np.ndarray, start: Optional[np.ndarray] = None, tolerance: float = 1e-6,
+                    max_iterations: int = 100) -> Tuple[float, np.ndarray, int]:
+    """(||W v||, v, iterations used) after power iteration on W^T W over W's smaller side, stopping when
+    the estimate changes by less than `tolerance` relative (0: a fixed count, as MindFormers'
+    `power_iteration_num`). The estimate approaches ||W||_2 from below, geometrically with ratio
+    (sigma_2 / sigma_1)^2."""
     w = matrix if matrix.shape[0] >= matrix.shape[1] else matrix.T
     v = _unit(start if start is not None and start.shape == (w.shape[1],) else _cold_start(w.shape[1]))
     sigma = 0.0
@@ -161,12 +190,13 @@ def _unit(vector: np.ndarray) -> np.ndarray:
 
 
 def linear_features_numpy(weight: np.ndarray, start: Optional[np.ndarray] = None
-                          ) -> Tuple[float, float, np.ndarray]:
-    """(sr, kernel_norm, vector for the next step) of a 2-D weight, in float32 arithmetic."""
+                          ) -> Tuple[float, float, Optional[np.ndarray]]:
+    """(sr, kernel_norm, vector for the next step) of a 2-D weight, float32 data."""
     w = np.asarray(weight, dtype=np.float32)
     frobenius = float(np.sqrt(np.dot(w.reshape(-1).astype(np.float64), w.reshape(-1).astype(np.float64))))
-    sigma, vector, _ = spectral_norm(w, start, max_iterations=WARM_ITERATIONS if start is not None
-                                     else COLD_ITERATIONS)
+    if not math.isfinite(frobenius):
+        return float("nan"), frobenius, start
+    sigma, vector = spectral_norm(w, start) if frobenius > 0 else (0.0, start)
     return (frobenius / sigma if sigma > 0 else float("nan")), frobenius, vector
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.engine import Monitor
-from mindmon.features.l2.monitor import spectral_norm
+from mindmon.features.l2.monitor import power_iteration
 from mindmon.records import Record
 from mindmon.kernels.stats import SquaredNorms
 
@@ -68,7 +68,7 @@ class StableRankMonitor(Monitor):
         starts = self._vectors.get(name) or [None] * len(matrices)
         eigen, vectors = [], []
         for matrix, start in zip(matrices, starts):
-            sigma, vector, _ = spectral_norm(matrix, start, tolerance=0.0,
+            sigma, vector, _ = power_iteration(matrix, start, tolerance=0.0,
                                              max_iterations=self.section.power_iteration_num)
             eigen.append(sigma * sigma)
             vectors.append(vector)

@@ -42,12 +42,14 @@ def build(build, section: TensorStatsConfig) -> None:
             build.add_monitor(monitor)
     from mindmon.features.tensor_stats.hooks import TensorStatsHooks
 
-    build.parts["tensor_stats"] = functools.partial(TensorStatsHooks, section, *monitors, csv_sink=csv,
-                                                    rank=build.rank, on_host=build.on_host)
+    stats, l2, cc, optimizer_state = monitors
+    build.parts["tensor_stats"] = functools.partial(TensorStatsHooks, config=section, monitor=stats, l2_monitor=l2,
+                                                    cc_monitor=cc, optimizer_state_monitor=optimizer_state,
+                                                    csv_sink=csv, rank=build.rank, on_host=build.on_host)
 
 
 def _monitors(section: TensorStatsConfig, build) -> tuple:
-    """(statistics, L2 features or None, collectives or None)."""
+    """(statistics, L2 features or None, collectives or None, optimizer state or None)."""
     from mindmon.features.tensor_stats.dynamic import dynamic_mode
     from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
 
@@ -63,7 +65,12 @@ def _monitors(section: TensorStatsConfig, build) -> tuple:
         from mindmon.features.collectives.hooks import CollectiveStatsMonitor
 
         cc = CollectiveStatsMonitor(section.ops, section.eps, build.on_host, build.rank)
-    return stats, l2, cc
+    optimizer_state = None
+    if dynamic_mode() or section.reads_adam_state:
+        from mindmon.features.tensor_stats.optimizer_state import OptimizerStateMonitor
+
+        optimizer_state = OptimizerStateMonitor(section.ops, section.eps, True, build.rank)
+    return stats, l2, cc, optimizer_state
 
 
 FEATURE = Feature("tensor_stats", "monitor.tensor_stats", parse=_parse, build=build,

@@ -212,8 +212,10 @@ class ActivationHooks:
         self._warned_eval = False
 
     def attach(self, model) -> int:
-        """Hooks every monitored cell (backward hooks if this step is collected); returns how many."""
+        """Hooks every monitored cell (backward hooks if this step is collected); returns how many (their
+        names: `monitored`)."""
         count = 0
+        self.monitored: List[str] = []
         for name, cell in named_cells(model):
             plan = cell_plan(name, self.config)
             forward = {k: s for k, s in plan.items() if k in FORWARD_KEYS}
@@ -223,6 +225,7 @@ class ActivationHooks:
             if backward:
                 self._backward_plans.append((name, cell, backward))
             count += bool(plan)
+            self.monitored += [name] if plan else []
         self.follow_collection()
         return count
 

@@ -24,15 +24,12 @@ logger = logging.getLogger("mindmon")
 
 # Keys msprobe documents for capabilities mindmon's tensor statistics do not implement; they are accepted
 # (a config.json written for msprobe keeps working) and, when they ask for something, say what is missing.
-LATER_CAPABILITIES = {
-    "ur_distribution": "update/ratio heat maps", "mg_direction": "gradient/momentum direction",
-    "mg_distribution": "gradient/momentum direction",
-}
+LATER_CAPABILITIES = {"mg_distribution": "gradient/momentum distributions"}
 _LATER_TYPES: Dict[str, type] = {}
 
 _DEFAULTS = {
     "targets": {}, "param_distribution": False, "wg_distribution": False, "mv_distribution": False,
-    "monitor_mbs_grad": False, "ops": [], "eps": 1e-8, "ndigits": 6, "start_step": 0, "step_interval": 1,
+    "monitor_mbs_grad": False, "ur_distribution": False, "mg_direction": False, "ops": [], "eps": 1e-8, "ndigits": 6, "start_step": 0, "step_interval": 1,
     "collect_times": 100000000, "module_ranks": [], "format": "csv", "step_count_per_record": 1,
     "squash_name": False, "append_output": [], "significant_digits": False,
     # Activations, module structure, stack capture and dynamic on/off (mindmon/features/tensor_stats/activations.py).
@@ -54,6 +51,8 @@ class TensorStatsConfig:
     wg_distribution: bool = False           # grad_unreduced + grad_reduced
     mv_distribution: bool = False           # exp_avg + exp_avg_sq, before the update
     monitor_mbs_grad: bool = False          # grad_unreduced per micro-batch instead of accumulated
+    ur_distribution: bool = False           # Adam's bias-corrected update and ratio: ops and histograms
+    mg_direction: bool = False              # share of elements whose gradient and first moment agree in sign
     ops: Tuple[str, ...] = ("norm",)
     eps: float = 1e-8
     ndigits: int = 6
@@ -81,8 +80,8 @@ class TensorStatsConfig:
 
     @property
     def active(self) -> bool:
-        return (self.param_distribution or self.wg_distribution or self.mv_distribution or self.collects_activations
-                or self.print_struct or self.stack_info or self.l2_or_cc_active)
+        return (self.collects_parameters or self.collects_activations or self.print_struct or self.stack_info
+                or self.l2_or_cc_active)
 
     @property
     def l2_or_cc_active(self) -> bool:
@@ -95,7 +94,12 @@ class TensorStatsConfig:
 
     @property
     def collects_parameters(self) -> bool:
-        return self.param_distribution or self.wg_distribution or self.mv_distribution
+        return self.param_distribution or self.wg_distribution or self.mv_distribution or self.reads_adam_state
+
+    @property
+    def reads_adam_state(self) -> bool:
+        """ur_distribution or mg_direction: mindmon/msprobe/optimizer_state.py."""
+        return self.ur_distribution or self.mg_direction
 
     def finished(self, step: int) -> bool:
         """No step from `step` (0-based) on is collected any more: collect_times is reached."""
@@ -140,7 +144,8 @@ def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
     later = {k: v for k, v in section.items() if k in LATER_CAPABILITIES}
     _check_later(path, later)
     flags = {key: check_bool(key_path(path, key), raw[key]) for key in
-             ("param_distribution", "wg_distribution", "mv_distribution", "monitor_mbs_grad",
+             ("param_distribution", "wg_distribution", "mv_distribution", "monitor_mbs_grad", "ur_distribution",
+              "mg_direction",
               "squash_name", "significant_digits") + XY_FLAGS}
     from mindmon.features.tensor_stats.activations import parse_xy_specs, warn_forward_and_backward_only
 
@@ -167,7 +172,8 @@ def _alert(path: str, section: Any):
         return None
     from mindmon.features.alerts.config import AlertConfig
 
-    return AlertConfig.parse(key_path(path, "alert"), section)
+    return AlertConfig.parse(key_path(path, "alert"), section, dialect="msprobe")
+
 
 
 def _check_later(path: str, later: Dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from mindmon.features.tensor_stats.activations import (ActivationHooks, MicroSte
 from mindmon.features.tensor_stats.config import TensorStatsConfig
 from mindmon.features.tensor_stats.monitor import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
                                                    GRAD_UNREDUCED, PARAM_ORIGIN, PARAM_UPDATED, TensorStatsMonitor)
+from mindmon.features.tensor_stats.optimizer_state import ADAM_RATIO, ADAM_UPDATE, MG_DIRECTION, adam_state_for
 from mindmon.features.tensor_stats.structure import StackHooks, StopTraining, StructHooks
 from mindmon.features.tensor_stats.targets import find_moments, optimizer_parameters, select_parameters
 from mindmon.formats.msprobe_csv import output_root as csv_output_root
@@ -53,13 +54,14 @@ class TensorStatsHooks:
     `run_folder()` is where stack_info.csv goes; `watcher` polls config.json in dynamic mode."""
 
     def __init__(self, config: TensorStatsConfig, monitor: TensorStatsMonitor, l2_monitor=None, cc_monitor=None,
-                 csv_sink=None, run_folder: Optional[Callable[[], str]] = None, watcher=None,
+                 optimizer_state_monitor=None, csv_sink=None, run_folder: Optional[Callable[[], str]] = None, watcher=None,
                  on_step_end: Optional[Callable[[int], None]] = None, params_have_main_grad: bool = True,
                  rank: int = 0, on_host: bool = True, recorder=None):
         self.config, self.monitor = config, monitor
         # Where the hooks record and report failures: the group (which stops feeding a monitor it dropped).
         self.recorder = recorder
         self.l2_monitor, self.cc_monitor, self.csv_sink = l2_monitor, cc_monitor, csv_sink
+        self.optimizer_state_monitor = optimizer_state_monitor
         self.run_folder = run_folder or (lambda: os.path.join(csv_output_root(), "stack_info"))
         self.watcher, self.on_step_end = watcher, on_step_end
         self.params_have_main_grad, self.rank, self.on_host = params_have_main_grad, rank, on_host
@@ -67,6 +69,7 @@ class TensorStatsHooks:
         self.at: Optional[Attachment] = None
         self.selected: List[Tuple[int, str]] = []
         self.moments = None
+        self.adam = None                     # ur_distribution / mg_direction: the optimizer's Adam state
         self.keep_grads: Dict[int, bool] = {}
         self.running = self.collecting = False
         self.failed = False                  # a hook failed: switched off for good
@@ -98,7 +101,7 @@ class TensorStatsHooks:
 
     def plan(self, config: TensorStatsConfig) -> dict:
         """What a configuration selects on this model and optimizer; a ConfigError when it cannot apply."""
-        plan = {"selected": [], "moments": None, "keep_grads": {}}
+        plan = {"selected": [], "moments": None, "keep_grads": {}, "adam": None}
         if config.collects_parameters:
             if not self.at.parameters:
                 raise ConfigError("optimizer: got None; allowed: the optimizer, for param_distribution, "
@@ -107,6 +110,7 @@ class TensorStatsHooks:
             plan["moments"] = _moments(config, self.at.optimizer, len(self.at.parameters))
             plan["keep_grads"] = keeps_reduced_gradients(self.at.dp_group, self.at.tp_group, self.at.parameters,
                                                          plan["selected"])
+            plan["adam"] = adam_state_for(config, self.at.optimizer, self.at.parameters)
         if config.collects_activations:
             check_spec_targets(self.at.model, config)
         if config.l2 is not None and config.l2.active:
@@ -118,6 +122,7 @@ class TensorStatsHooks:
         self.detach_capabilities()
         self.config = config
         self.selected, self.moments, self.keep_grads = plan["selected"], plan["moments"], plan["keep_grads"]
+        self.adam = plan["adam"]
         self.running = config.active and config.selects_rank(self.rank) and not self.failed
         if not self.running:
             return
@@ -132,7 +137,7 @@ class TensorStatsHooks:
                     len(self.selected), self.hooked_cells, where)
 
     def set_ops(self, ops: Sequence[str]) -> None:
-        for monitor in (self.monitor, self.cc_monitor):
+        for monitor in (self.monitor, self.cc_monitor, self.optimizer_state_monitor):
             if monitor is not None:
                 monitor.ops = tuple(ops)
 
@@ -141,6 +146,7 @@ class TensorStatsHooks:
         return ([PARAM_ORIGIN, PARAM_UPDATED] if c.param_distribution else []) + \
             ([GRAD_UNREDUCED, GRAD_REDUCED] if c.wg_distribution else []) + \
             ([EXP_AVG, EXP_AVG_SQ] if c.mv_distribution else []) + \
+            ([MG_DIRECTION] if c.mg_direction else []) + ([ADAM_UPDATE, ADAM_RATIO] if c.ur_distribution else []) + \
             ([p for p, off in ((ACTV, c.backward_only), (ACTV_GRAD, c.forward_only)) if not off]
              if c.collects_activations else []) + \
             (["module_struct"] if c.print_struct else []) + (["stack_info"] if c.stack_info else [])
@@ -202,6 +208,13 @@ class TensorStatsHooks:
         self.hooked_cells = 0
         self.gradient_sums.release()
 
+    def reattach(self, at: Attachment, config: TensorStatsConfig) -> None:
+        """Before training: attached again, to another optimizer (kj600 gives it after hook_modules), with
+        the configuration that needed it."""
+        self.detach()
+        self.config = config
+        self.attach(at, self.step)
+
     def detach(self) -> None:
         """Every hook off: the optimizer and the parameters are as before `attach`."""
         if self.at is not None:
@@ -246,13 +259,17 @@ class TensorStatsHooks:
     def end_pending_step(self) -> None:
         """Without an optimizer the last step's end is known only when the front door closes."""
         if self.at is not None and self.at.optimizer is None and self.micro_steps.forwards:
-            self._after_update(None, (), None)
+            self._end_step_without_optimizer()
 
     def _end_step_by_forwards(self) -> None:
         """Without an optimizer (kj600's hook_modules): a step ends when the model starts its forward
         number grad_acc_steps + 1."""
         if self.micro_steps.forwards == self.at.grad_acc_steps:
-            self._after_update(None, (), None)
+            self._end_step_without_optimizer()
+
+    def _end_step_without_optimizer(self) -> None:
+        self._before_update(None, ())   # the step's summed gradients (kj600 hooks them without an optimizer)
+        self._after_update(None, (), None)
 
     def _end_step_hooks(self) -> None:
         if self.activations is not None:
@@ -308,11 +325,15 @@ class TensorStatsHooks:
             monitor.record(PARAM_ORIGIN, [(name, parameters[i]) for i, name in self.selected])
         if config.wg_distribution:
             monitor.record(GRAD_UNREDUCED, self.gradient_sums.named_sums())
+        if config.wg_distribution and self.at.optimizer is not None:   # without one, nothing is reduced for it
             monitor.record(GRAD_REDUCED, self._reduced_gradients(inputs))
         if self.moments is not None:
             first, second = self.moments
             monitor.record(EXP_AVG, [(name, first[i]) for i, name in self.selected])
             monitor.record(EXP_AVG_SQ, [(name, second[i]) for i, name in self.selected])
+        if self.adam is not None:
+            self.adam.record(monitor, self.step, self._gradients_passed(inputs), config.ur_distribution,
+                             config.mg_direction)
 
     def _finish_step(self) -> None:
         if self.config.param_distribution:
@@ -323,12 +344,15 @@ class TensorStatsHooks:
             self.on_step_end(self.step + 1)  # records count steps from 1; the CSV writes step 0
 
     def _reduced_gradients(self, inputs) -> List[tuple]:
-        """The gradients the optimizer gets: the tuple passed to its call, else each parameter's
+        return [(name, grad) for i, name, grad in self._gradients_passed(inputs) if self.keep_grads[i]]
+
+    def _gradients_passed(self, inputs) -> List[tuple]:
+        """(index, name, gradient) the optimizer gets: the tuple passed to its call, else each parameter's
         `main_grad` (when params_have_main_grad) or `grad`."""
         passed = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) else None
         if passed is not None and len(passed) == len(self.at.parameters):
-            return [(name, passed[i]) for i, name in self.selected if self.keep_grads[i]]
-        return [(name, grad) for i, name, grad in self.stored_gradients() if self.keep_grads[i]]
+            return [(i, name, passed[i]) for i, name in self.selected]
+        return self.stored_gradients()
 
     def stored_gradients(self) -> List[tuple]:
         """(index, name, gradient) of the selected parameters that hold one in `main_grad`/`grad`."""
@@ -383,8 +407,10 @@ class TensorStatsHooks:
             logger.warning(message, *args)
 
 
-def attachment(model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None) -> Attachment:
-    parameters = optimizer_parameters(optimizer) if optimizer is not None else ()
+def attachment(model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None,
+               parameters_without_optimizer: Sequence = ()) -> Attachment:
+    """The parameters are the optimizer's; without one, those the front door names (kj600: the model's)."""
+    parameters = optimizer_parameters(optimizer) if optimizer is not None else tuple(parameters_without_optimizer)
     return Attachment(model, grad_acc_steps, optimizer, parameters, dp_group, tp_group)
 
 
