@@ -43,7 +43,7 @@ class TrainerMon:
         if opt_ty is not None:
             warnings.warn("TrainerMon(opt_ty=...) is deprecated and ignored: the optimizer type is read from "
                           "the optimizer given to set_monitor", DeprecationWarning, stacklevel=2)
-        self.config = config if config is not None else load_config_json(config_file_path)
+        self._config = config if config is not None else load_config_json(config_file_path)
         self.config_path = config_file_path
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
@@ -65,6 +65,11 @@ class TrainerMon:
         return cls(None, None, params_have_main_grad, config=config, extra_sinks=sinks)
 
     # --- msprobe's public API -------------------------------------------------------------------------
+
+    @property
+    def config(self) -> TensorStatsConfig:
+        """The running configuration (dynamic on/off and reload_xy change it while training)."""
+        return self.hooks.config if self.hooks is not None else self._config
 
     @property
     def step(self) -> int:
@@ -142,7 +147,7 @@ class TrainerMon:
         if self.hooks is None:
             logger.warning("mindmon: reload_xy(%s) before set_monitor attached anything: it takes effect when "
                            "set_monitor is called", xy_distribution)
-            self.config = config
+            self._config = config
             return
         self.hooks.switch_to(config)
 
