@@ -43,11 +43,6 @@ class MonitorGroup:
         self._max_norm: Optional[float] = None
         self._step_values_failed = False
 
-    def add_monitor(self, monitor: Monitor) -> None:
-        """A monitor attached while training (msprobe's capabilities switched on by config or dynamically).
-        It takes no part in the cross-rank sums, whose payload is fixed when the group is built."""
-        self.monitors.append(monitor)
-
     @property
     def active(self) -> bool:
         return bool(self.monitors)

@@ -31,7 +31,7 @@ def test_sums_equal_numpy_for_every_dtype_and_layout(rng, direct, monkeypatch):
         # a transposed view: not contiguous, so never read at its pointer
         "float32_transposed": [Tensor(a).transpose(1, 0) for a in _micro_batches(rng, (6, 4), np.float32)],
     }
-    from mindmon.msprobe import accumulate
+    from mindmon.features.tensor_stats import accumulate
 
     by_address = []
 

@@ -98,11 +98,11 @@ BAD = [
     ({"stable_rank_config": {"do_aggregation": "x"}}, "monitor_config.stable_rank_config.do_aggregation"),
     ({"stable_rank_config": {"moe_show_mode": "some"}}, "monitor_config.stable_rank_config.moe_show_mode"),
     ({"stable_rank_config": {"power_iteration_num": 0}}, "monitor_config.stable_rank_config.power_iteration_num"),
-    ({"stable_rank_config": {"colour": 1}}, "monitor_config.stable_rank_config"),
+    ({"stable_rank_config": {"colour": 1}}, "monitor_config.stable_rank_config.colour"),
     ({"health_checkpoint": 3}, "monitor_config.health_checkpoint"),
     ({"health_checkpoint": {"global_norm_spike_threshold": -3}},
      "monitor_config.health_checkpoint.global_norm_spike_threshold"),
-    ({"unknown_key": 1}, "monitor_config"),
+    ({"unknown_key": 1}, "monitor_config.unknown_key"),
 ]
 
 
@@ -149,7 +149,7 @@ def test_check_config_command(tmp_path):
     good = subprocess.run([sys.executable, "-m", "mindmon", "check-config", str(ROOT / "configs" / "monitor_config.yaml")],
                           capture_output=True, text=True, cwd=ROOT)
     assert good.returncode == 0, good.stderr
-    assert yaml.safe_load(good.stdout)["monitor"]["monitor_config"]["stable_rank_config"]["power_iteration_num"] == 50
+    assert yaml.safe_load(good.stdout)["monitor_config"]["stable_rank_config"]["power_iteration_num"] == 50
 
 
 # ---------------------------------------------------------------- stable rank

@@ -183,9 +183,9 @@ class TimedGroup:
 def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[dict], max_logits: bool,
                  host_sync_norms: bool):
     from mindmon import build_group, parse_sections
-    from mindmon.factory import build_sinks
+    from mindmon.factory import build
+    from mindmon.features.train_state.monitor import TrainStateMonitor
     from mindmon.group import MonitorGroup
-    from mindmon.features import TrainStateMonitor
 
     logger = _file_logger(name, out_dir / name / "info.log")
     callbacks = [{"type": "MaxLogitsMonitor", "step_interval": 1}] if max_logits else []
@@ -194,7 +194,8 @@ def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[d
     if host_sync_norms:   # the only difference from train_state: how the same squared norms are taken
         state = TrainStateMonitor(config.monitor.train_state, work.parameter_names, 0, True,
                                   norms=HostSyncPerParameterNorms())
-        return MonitorGroup([state], build_sinks(config.monitor, logger)[0], 0, logger)
+        sinks = build(parse_sections({"monitor": {"output_dir": str(out_dir / name)}}), rank=0, logger=logger).sinks
+        return MonitorGroup([state], sinks, 0, logger)
     return build_group(config, model=work.model, parameter_names=work.parameter_names, rank=0, logger=logger)
 
 
@@ -292,11 +293,21 @@ class HookTimer:
         return timed
 
     def instrument(self, monitor) -> None:
-        """Before `set_monitor`, which looks these up when it attaches (bench-only instrumentation)."""
-        make_hook = monitor._gradient_hook
-        monitor._gradient_hook = lambda index, name: self.wrap(make_hook(index, name), True)
-        monitor._before_update = self.wrap(monitor._before_update, True)
-        monitor._after_update = self.wrap(monitor._after_update, False, drain_queue=True)
+        """Before `set_monitor`: the tensor-statistics hooks it makes are timed from the moment they attach
+        (bench-only instrumentation of the next TensorStatsHooks.attach, then the class is as it was)."""
+        from mindmon.features.tensor_stats.hooks import TensorStatsHooks
+
+        original, timer = TensorStatsHooks.attach, self
+
+        def attach(hooks, *args, **kwargs):
+            TensorStatsHooks.attach = original
+            make_hook = hooks._gradient_hook
+            hooks._gradient_hook = lambda index, name: timer.wrap(make_hook(index, name), True)
+            hooks._before_update = timer.wrap(hooks._before_update, True)
+            hooks._after_update = timer.wrap(hooks._after_update, False, drain_queue=True)
+            return original(hooks, *args, **kwargs)
+
+        TensorStatsHooks.attach = attach
 
     def instrument_cells(self) -> None:
         """The cell hooks of activation monitoring are made by ActivationHooks when TrainerMon attaches;
@@ -348,15 +359,19 @@ class L2Configuration(Configuration):
     stay for the whole run. Its mindmon column adds the time inside those hooks."""
 
     def __init__(self, name: str, size: "BenchSize", out_dir: Path):
-        from mindmon.msprobe import l2_hooks
+        from mindmon.features.l2 import hooks as l2_hooks
 
         super().__init__(name, Workload(size), out_dir, monitor={})
         self.timer = HookTimer()
         for factory in ("_attention_hook", "_linear_hook"):   # bench-only: time every hook they make
             make = getattr(l2_hooks, factory)
-            setattr(l2_hooks, factory, lambda group, row, collecting, make=make:
-                    self.timer.wrap(make(group, row, collecting), True))
-        l2_hooks.attach_l2_features(self.work.model, self.group.group)
+            setattr(l2_hooks, factory, lambda recorder, row, collecting, make=make:
+                    self.timer.wrap(make(recorder, row, collecting), True))
+        from mindmon.group import MonitorGroup
+
+        monitor, _ = l2_hooks.attach_l2_features(self.work.model, on_host=True)
+        built = self.group.group   # the same sinks, with the L2 features' monitor
+        self.group.group = MonitorGroup([monitor], built.sinks, built.rank, built.logger)
 
     def step(self) -> "StepTime":
         self.timer.in_step = 0.0

@@ -43,6 +43,7 @@ class TrainerMon:
         if opt_ty is not None:
             warnings.warn("TrainerMon(opt_ty=...) is deprecated and ignored: the optimizer type is read from "
                           "the optimizer given to set_monitor", DeprecationWarning, stacklevel=2)
+        self.hooks: Optional[TensorStatsHooks] = None
         self._config = config if config is not None else load_config_json(config_file_path)
         self.config_path = config_file_path
         self.process_group = process_group
@@ -52,7 +53,6 @@ class TrainerMon:
         self.parameters_without_optimizer = parameters_without_optimizer
         self.extra_sinks = list(extra_sinks)
         self.rank = DataParallel().rank
-        self.hooks: Optional[TensorStatsHooks] = None
         self.group = None
         self.model = None
         self.wrapped_optimizer = None

@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink, SinkClosedError
+from mindmon.engine import RunInfo, Sink
 from mindmon.sinks.lines import unwritable
 from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.formats.layout import global_micro_step, rank_dir

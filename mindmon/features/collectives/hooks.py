@@ -109,13 +109,13 @@ class CollectivePatch:
 
     active: Optional["CollectivePatch"] = None
 
-    def __init__(self, monitor: Optional[CollectiveStatsMonitor], cc: CcConfig, collecting: Callable[[], bool],
-                 recorder=None):
+    def __init__(self, recorder, monitor: Optional[CollectiveStatsMonitor], cc: CcConfig,
+                 collecting: Callable[[], bool]):
         if CollectivePatch.active is not None:
             raise ConfigError("cc_distribution.enable: got True while another TrainerMon already watches the "
                               "collectives; allowed: one at a time (close the other first)")
-        self.monitor, self.cc, self.collecting = monitor, cc, collecting
-        self.recorder = recorder if recorder is not None else monitor   # the group, else the monitor
+        # `recorder` (the group, or the monitor itself) takes the records; `monitor` numbers the calls.
+        self.recorder, self.monitor, self.cc, self.collecting = recorder, monitor, cc, collecting
         self.patterns = [re.compile(p) for p in cc.codeline]
         self.logged = set()
         self._local = threading.local()

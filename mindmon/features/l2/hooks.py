@@ -158,7 +158,7 @@ def _attach_collectives(config, cc, optimizer, monitor, collecting, handles: Lis
         return
     if monitor is not None:
         monitor.ops = config.ops   # attached again (a reloaded configuration): the new ops
-    patch = CollectivePatch(None if cc.log_only else monitor, cc, collecting, recorder)
+    patch = CollectivePatch(recorder or monitor, None if cc.log_only else monitor, cc, collecting)
     handles.append(patch)
     if cc.log_only:
         handles += hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)

@@ -38,7 +38,7 @@ class ProfilerConfig:
         return self.profiler_rank is None or rank in self.profiler_rank
 
     @classmethod
-    def parse(cls, path: str, section: Any) -> "ProfilerConfig":
+    def parse(cls, section: Any, path: str = "profiler") -> "ProfilerConfig":
         section = check_keys(path, section, cls.KEYS)
         out = {k: check_bool(f"{path}.{k}", section[k])
                for k in ("enable_profiling", "mstx", "profile_memory", "profile_cpu", "with_stack") if k in section}
