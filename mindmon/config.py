@@ -259,8 +259,10 @@ class MonitorConfig:
     alert: Any = None          # mindmon.alerts.config.AlertConfig, or None when the key is absent
     # mindmon.monitor_config.config.MonitorConfigSection: the top-level `monitor_config` section, or None
     monitor_config: Any = None
+    metrics_formats: Tuple[str, ...] = ("jsonl",)   # rank_<r>/metrics.jsonl and/or rank_<r>/metrics.parquet
 
-    KEYS = ("train_state", "moe_monitor", "output_dir", "ranks", "data_parallel_group", "tensor_stats", "alert")
+    KEYS = ("train_state", "moe_monitor", "output_dir", "ranks", "data_parallel_group", "tensor_stats", "alert",
+            "metrics_formats")
 
     def selects_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -291,13 +293,15 @@ class MonitorConfig:
                    output_dir,
                    TensorBoardConfig.parse(f"{path}.tensorboard", section.get("tensorboard")),
                    parse_ranks(f"{path}.ranks", section.get("ranks")), group,
-                   *_parse_engine_sections(section, path))
+                   *_parse_engine_sections(section, path),
+                   metrics_formats=parse_metrics_formats(f"{path}.metrics_formats",
+                                                         section.get("metrics_formats", ["jsonl"])))
 
     def to_dict(self) -> dict:
         out = {"train_state": self.train_state.to_dict(), "moe_monitor": self.moe_monitor.to_dict(),
                "output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
                "ranks": list(self.ranks) if self.ranks is not None else None,
-               "data_parallel_group": self.data_parallel_group}
+               "data_parallel_group": self.data_parallel_group, "metrics_formats": list(self.metrics_formats)}
         if self.tensor_stats is not None:
             out["tensor_stats"] = {k: v for k, v in dataclasses.asdict(self.tensor_stats).items() if k != "later"}
         if self.alert is not None:
@@ -320,6 +324,20 @@ def _parse_engine_sections(section: dict, path: str) -> tuple:
 
         alert = AlertConfig.parse(f"{path}.alert", section["alert"])
     return tensor_stats, alert
+
+
+METRICS_FORMATS = ("jsonl", "parquet")
+
+
+def parse_metrics_formats(path: str, value: Any) -> Tuple[str, ...]:
+    """A non-empty list of distinct METRICS_FORMATS (a single name is accepted too)."""
+    formats = [value] if isinstance(value, str) else value
+    allowed = f"a non-empty list of distinct names from {list(METRICS_FORMATS)}"
+    if not isinstance(formats, (list, tuple)) or not formats or not all(isinstance(f, str) for f in formats):
+        raise _type_error(path, value, allowed)
+    if not set(formats) <= set(METRICS_FORMATS) or len(set(formats)) != len(formats):
+        raise _value_error(path, value, allowed)
+    return tuple(formats)
 
 
 def parse_ranks(path: str, ranks: Any) -> Optional[Tuple[int, ...]]:

@@ -67,15 +67,17 @@ def build_monitors(config: MonitorConfig, model, parameter_names: Sequence[str],
 
 def build_sinks(config: MonitorConfig, logger, rank: int = 0, data_parallel: Optional[DataParallel] = None):
     """(sinks, alert actions or None)."""
-    from .sinks import JsonlSink, LogSink, MegatronTokensPerExpertSink
+    from .sinks import LogSink, MegatronTokensPerExpertSink
+    from .sinks.metrics import metrics_sinks, parallel_coordinates
 
     section = config.monitor_config if config.monitor_config is not None and config.monitor_config.active else None
     if section is not None:
         from .sinks.training_state import TrainingStateLogSink
 
-        sinks: List[Sink] = [TrainingStateLogSink(logger, section), JsonlSink(config.output_dir)]
+        sinks: List[Sink] = [TrainingStateLogSink(logger, section)]
     else:
-        sinks = [LogSink(logger), JsonlSink(config.output_dir)]
+        sinks = [LogSink(logger)]
+    sinks += metrics_sinks(config.metrics_formats, config.output_dir, parallel_coordinates(data_parallel))
     if config.tensorboard.enabled:
         from .sinks.tensorboard import TensorBoardSink, record_tags
         from .sinks.training_state import tensorboard_tags

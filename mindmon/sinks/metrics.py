@@ -1,0 +1,24 @@
+"""The sinks of `monitor.metrics_formats`: the per-rank files every record goes to."""
+from typing import Dict, List, Optional
+
+from ..engine import Sink
+
+
+def metrics_sinks(formats, output_dir: str, coordinates: Optional[Dict[str, int]] = None) -> List[Sink]:
+    """`jsonl`: rank_<r>/metrics.jsonl; `parquet`: rank_<r>/metrics.parquet (with the rank's parallel
+    coordinates as columns)."""
+    sinks: List[Sink] = []
+    if "jsonl" in formats:
+        from .jsonl import JsonlSink
+
+        sinks.append(JsonlSink(output_dir))
+    if "parquet" in formats:
+        from .columnar import ColumnarSink
+
+        sinks.append(ColumnarSink(output_dir, coordinates))
+    return sinks
+
+
+def parallel_coordinates(data_parallel) -> Dict[str, int]:
+    """What this rank knows of its place in the job: its data-parallel rank when there are several."""
+    return {"dp": data_parallel.rank} if data_parallel is not None and data_parallel.active else {}
