@@ -95,6 +95,7 @@ class Engine:
         self.con = duckdb().connect(config={"memory_limit": memory_limit, "temp_directory": self.spill,
                                             "threads": threads or os.cpu_count() or 1,
                                             "preserve_insertion_order": True})
+        self.con.execute("SET enable_progress_bar = false")
         self._streams = 0
         self.con.execute(f"CREATE TEMP VIEW records AS {self.records_sql(self.sources)}")
 
@@ -129,7 +130,7 @@ class Engine:
         return self.records_sql([(r, path) for r, path in self.sources if r == rank])
 
     def sql(self, query: str, params: Optional[list] = None):
-        return self.con.execute(query, params or [])
+        return self.con.sql(query, params=params)
 
     def close(self) -> None:
         self.con.close()
