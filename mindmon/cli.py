@@ -5,7 +5,7 @@
     mindmon compact RUN_DIR                                    every rank's records in rank_<r>/metrics.parquet
     mindmon query RUN_DIR "SQL" [-o OUT]                       SQL over the run's records (the view `records`)
     mindmon check-config FILE.yaml                            validate and print the resolved sections
-    mindmon report RUN_DIR [-o PAGE.html]                      HTML page with PNG figures, from the JSONL
+    mindmon report RUN_DIR [-o PAGE.html] [--rank R]           HTML page with PNG figures: across ranks, per rank
     mindmon parse-log LOGFILE -o DIR [--rank R]               a MindFormers training log -> DIR/rank_<r>/metrics.jsonl
     mindmon to-tensorboard RUN_DIR [-o DIR]                   JSONL -> DIR/rank_<r>/ event files
     mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
@@ -205,11 +205,11 @@ def _report(args) -> int:
     from .analysis.report import write_report
 
     output = args.output or os.path.join(args.run_dir if os.path.isdir(args.run_dir) else ".", "report.html")
-    try:
-        print(f"mindmon report: wrote {write_report(args.run_dir, output)}")
-    except FileNotFoundError as error:
-        print(f"mindmon: {error}", file=sys.stderr)
+    written = _analysis("report", lambda: write_report(args.run_dir, output, ranks=args.rank,
+                                                       memory_limit=args.memory_limit, source=args.source))
+    if written is None:
         return 1
+    print(f"mindmon report: wrote {written}")
     return 0
 
 
@@ -232,10 +232,9 @@ def _to_tensorboard(args) -> int:
     from .analysis.to_tensorboard import convert
 
     output = args.output or os.path.join(args.run_dir if os.path.isdir(args.run_dir) else ".", "tensorboard")
-    try:
-        written = convert(args.run_dir, output)
-    except FileNotFoundError as error:
-        print(f"mindmon: {error}", file=sys.stderr)
+    written = _analysis("to-tensorboard", lambda: convert(args.run_dir, output, memory_limit=args.memory_limit,
+                                                         source=args.source))
+    if written is None:
         return 1
     print(f"mindmon to-tensorboard: wrote {', '.join(written)}; view with: tensorboard --logdir {output}")
     return 0
@@ -293,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "rank_<r>/metrics.jsonl (works while the run is going)")
     report.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output) or one metrics.jsonl")
     report.add_argument("-o", "--output", default=None, help="page to write (default: RUN_DIR/report.html)")
+    report.add_argument("--rank", type=int, action="append", default=None,
+                        help="a rank to draw in detail (repeatable; default: every rank of a run of at most 8)")
+    _engine_arguments(report)
     report.set_defaults(handler=_report)
     parse = commands.add_parser("parse-log", help="read a MindFormers training log (LossCallback, monitor and "
                                 "max-logit lines) into mindmon's JSONL records")
@@ -304,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("to-tensorboard", help="TensorBoard event files from a run's JSONL")
     convert.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output) or one metrics.jsonl")
     convert.add_argument("-o", "--output", default=None, help="event directory (default: RUN_DIR/tensorboard)")
+    _engine_arguments(convert)
     convert.set_defaults(handler=_to_tensorboard)
     _add_anomalies(commands)
     _add_csv2tensorboard(commands)

@@ -144,11 +144,11 @@ def merge(run_dir: str, output: Optional[str] = None, factor: float = 5.0, memor
     flagged, twice = [], 0
     with Engine(run_dir, memory_limit, source=source) as engine, \
             open(output, "w", newline="", encoding="utf-8") as handle:
-        windows = step_windows(engine.sql(STEP_ROWS_SQL).fetchall())
+        windows = step_windows(engine.execute(STEP_ROWS_SQL).fetchall())
         writer = csv.writer(handle)
         writer.writerow(COLUMNS)
         for done, (first, last) in enumerate(windows, start=1):
-            rows, doubled = window_rows(engine.sql(WINDOW_SQL, [first, last]).to_arrow_table(), factor)
+            rows, doubled = window_rows(engine.relation(WINDOW_SQL, [first, last]).to_arrow_table(), factor)
             writer.writerows(rows)
             flagged += [row for row in rows if row[-1] != ""]
             twice += doubled

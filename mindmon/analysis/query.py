@@ -26,5 +26,5 @@ def run_query(run_dir: str, query: str, output: Optional[str] = None, memory_lim
     output = output or STDOUT
     with Engine(run_dir, memory_limit, threads, source) as engine:
         target = output.replace("'", "''")
-        engine.sql(f"COPY ({query.strip().rstrip(';')}) TO '{target}' ({copy_options(output)})")
+        engine.execute(f"COPY ({query.strip().rstrip(';')}) TO '{target}' ({copy_options(output)})")
     return output

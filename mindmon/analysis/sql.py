@@ -8,7 +8,7 @@ A rank with a columnar file is read from it; a rank with only the JSONL is read 
 
 Example:
     with Engine("./output/monitor") as engine:
-        engine.sql("SELECT kind, count(*) FROM records GROUP BY kind").fetchall()
+        engine.execute("SELECT kind, count(*) FROM records GROUP BY kind").fetchall()
 """
 import os
 import shutil
@@ -129,7 +129,12 @@ class Engine:
         """The records of one rank, read from its files only."""
         return self.records_sql([(r, path) for r, path in self.sources if r == rank])
 
-    def sql(self, query: str, params: Optional[list] = None):
+    def execute(self, query: str, params: Optional[list] = None):
+        """The query run once: fetchone(), fetchall(), fetchnumpy() of its result."""
+        return self.con.execute(query, params or [])
+
+    def relation(self, query: str, params: Optional[list] = None):
+        """The query as a DuckDB relation, for its Arrow table or reader (no extra copy)."""
         return self.con.sql(query, params=params)
 
     def close(self) -> None:
