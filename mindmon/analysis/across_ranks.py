@@ -25,25 +25,25 @@ TOP_RANKS = 10
 def loss_sql(engine) -> Optional[str]:
     """(rank, step, value) of each rank's step loss, or None when the run has none."""
     for kind in (DEVICE_LOSS, LOSS):
-        if engine.execute("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [kind]).fetchone()[0]:
+        if engine.first("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [kind])[0]:
             return f"SELECT rank, step, value FROM records WHERE kind = '{kind}'"
-    if engine.execute("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [LOCAL_LOSS]).fetchone()[0]:
+    if engine.first("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [LOCAL_LOSS])[0]:
         return f"SELECT rank, step, avg(value) AS value FROM records WHERE kind = '{LOCAL_LOSS}' GROUP BY rank, step"
     return None
 
 
 def grad_norm_sql(engine) -> Optional[str]:
-    if engine.execute("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [DEVICE_NORM]).fetchone()[0]:
+    if engine.first("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [DEVICE_NORM])[0]:
         return (f"SELECT rank, step, sqrt(sum(value * value)) AS value FROM records WHERE kind = '{DEVICE_NORM}' "
                 f"GROUP BY rank, step")
-    if engine.execute("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [GRAD_NORM]).fetchone()[0]:
+    if engine.first("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [GRAD_NORM])[0]:
         return f"SELECT rank, step, value FROM records WHERE kind = '{GRAD_NORM}'"
     return None
 
 
 def heat_matrix(engine, values_sql: str) -> Tuple[List[int], Tuple[int, int, int], np.ndarray]:
     """(ranks, (first step, last step, steps per column), matrix[rank, column]) of (rank, step, value) rows."""
-    first, last = engine.execute(f"SELECT min(step), max(step) FROM ({values_sql})").fetchone()
+    first, last = engine.first(f"SELECT min(step), max(step) FROM ({values_sql})")
     width = max(1, -(-(last - first + 1) // HEAT_COLUMNS))
     rows = engine.execute(f"SELECT rank, (step - {first}) // {width} AS col, "
                       f"CASE WHEN bool_or(NOT isfinite(value)) THEN 'nan'::DOUBLE ELSE max(value) END "
@@ -69,17 +69,17 @@ def standing_out(engine, values_sql: str, factor: float = FACTOR) -> list:
 
 
 def first_nonfinite(engine) -> Optional[tuple]:
-    return engine.execute("SELECT step, micro_step, rank, kind, name, value FROM records "
+    return engine.first("SELECT step, micro_step, rank, kind, name, value FROM records "
                       "WHERE value IS NOT NULL AND NOT isfinite(value) "
-                      "ORDER BY step, micro_step NULLS LAST, rank LIMIT 1").fetchone()
+                      "ORDER BY step, micro_step NULLS LAST, rank LIMIT 1")
 
 
 def first_spike(engine, values_sql: str, factor: float = FACTOR) -> Optional[tuple]:
-    return engine.execute(f"""
+    return engine.first(f"""
         WITH v AS ({values_sql}),
              m AS (SELECT step, median(value) FILTER (WHERE isfinite(value)) AS med FROM v GROUP BY step)
         SELECT step, rank, value, med FROM v JOIN m USING (step)
-        WHERE med > 0 AND isfinite(value) AND value > {factor} * med ORDER BY step, rank LIMIT 1""").fetchone()
+        WHERE med > 0 AND isfinite(value) AND value > {factor} * med ORDER BY step, rank LIMIT 1""")
 
 
 def heat_figure(title: str, ranks, span, matrix, log: bool, png, figure) -> str:

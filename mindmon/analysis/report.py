@@ -259,7 +259,7 @@ def figure_records(engine, rank: int) -> List[Record]:
     """The rank's records of FIGURE_KINDS (or local_norm in place of device_norm), in file order."""
     source = engine.rank_sql(rank)
     wanted = list(FIGURE_KINDS)
-    if engine.execute(f"SELECT count(*) FROM ({source}) WHERE kind = ?", [DEVICE_NORM]).fetchone()[0] == 0:
+    if engine.first(f"SELECT count(*) FROM ({source}) WHERE kind = ?", [DEVICE_NORM])[0] == 0:
         wanted.append(LOCAL_NORM)
     return records_of(engine.relation(f"SELECT * FROM ({source}) WHERE list_contains(?, kind)", [wanted]).to_arrow_table())
 
@@ -267,7 +267,7 @@ def figure_records(engine, rank: int) -> List[Record]:
 def rank_summary(engine, rank: int) -> Tuple[int, Optional[int], Optional[int], Dict[str, List[int]]]:
     """(records, first step, last step, nonfinite_summary()) of one rank, asked of the engine."""
     source = engine.rank_sql(rank)
-    count, first, last = engine.execute(f"SELECT count(*), min(step), max(step) FROM ({source})").fetchone()
+    count, first, last = engine.first(f"SELECT count(*), min(step), max(step) FROM ({source})")
     bad = engine.execute(f"SELECT kind, step FROM ({source}) WHERE value IS NOT NULL AND NOT isfinite(value)").fetchall()
     found: Dict[str, List[int]] = defaultdict(list)
     for kind, step in bad:

@@ -133,6 +133,11 @@ class Engine:
         """The query run once: fetchone(), fetchall(), fetchnumpy() of its result."""
         return self.con.execute(query, params or [])
 
+    def first(self, query: str, params: Optional[list] = None) -> Optional[tuple]:
+        """The query's first row, or None (the result is read to its end: the connection is free again)."""
+        rows = self.con.execute(query, params or []).fetchall()
+        return rows[0] if rows else None
+
     def relation(self, query: str, params: Optional[list] = None):
         """The query as a DuckDB relation, for its Arrow table or reader (no extra copy)."""
         return self.con.sql(query, params=params)

@@ -30,8 +30,8 @@ def run_shape(records: List[Record]) -> Tuple[int, int]:
 def rank_shape(engine: Engine, rank: int) -> Tuple[int, int]:
     """run_shape() of one rank's records, asked of the engine."""
     source = engine.rank_sql(rank)
-    first = engine.execute(f"SELECT value, step FROM ({source}) WHERE kind = ? AND step > 0 LIMIT 1", [SAMPLES]).fetchone()
-    micro = engine.execute(f"SELECT max(micro_step) FROM ({source})").fetchone()[0]
+    first = engine.first(f"SELECT value, step FROM ({source}) WHERE kind = ? AND step > 0 LIMIT 1", [SAMPLES])
+    micro = engine.first(f"SELECT max(micro_step) FROM ({source})")[0]
     return (round(first[0] / first[1]) if first else 0), (1 if micro is None else micro + 1)
 
 
