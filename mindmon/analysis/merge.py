@@ -144,7 +144,7 @@ def merge(run_dir: str, output: Optional[str] = None, factor: float = 5.0, memor
     flagged, twice = [], 0
     with Engine(run_dir, memory_limit, source=source) as engine, \
             open(output, "w", newline="", encoding="utf-8") as handle:
-        windows = step_windows(engine.execute(STEP_ROWS_SQL).fetchall())
+        windows = step_windows(engine.execute(STEP_ROWS_SQL).fetchall(), WINDOW_ROWS)
         writer = csv.writer(handle)
         writer.writerow(COLUMNS)
         for done, (first, last) in enumerate(windows, start=1):

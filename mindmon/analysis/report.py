@@ -22,7 +22,7 @@ import numpy as np
 from ..records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                       MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
 from ..formats.columnar import records_of
-from .sql import DEFAULT_MEMORY_LIMIT, Engine
+from .sql import DEFAULT_MEMORY_LIMIT, Engine, skipped_lines_sql
 from .to_tensorboard import rank_shape
 
 RANK_SECTIONS = 8   # a larger run gets the cross-rank view, and per-rank sections on request (--rank)
@@ -267,6 +267,10 @@ def figure_records(engine, rank: int) -> List[Record]:
 def rank_summary(engine, rank: int) -> Tuple[int, Optional[int], Optional[int], Dict[str, List[int]]]:
     """(records, first step, last step, nonfinite_summary()) of one rank, asked of the engine."""
     source = engine.rank_sql(rank)
+    for r, path in engine.sources:   # a run in progress: its last line may be half written (said, as the reader does)
+        skipped = engine.first(skipped_lines_sql(path))[0] if r == rank and path.endswith(".jsonl") else 0
+        if skipped:
+            print(f"mindmon: {path}: {skipped} line(s) that are not records were skipped", file=sys.stderr)
     count, first, last = engine.first(f"SELECT count(*), min(step), max(step) FROM ({source})")
     bad = engine.execute(f"SELECT kind, step FROM ({source}) WHERE value IS NOT NULL AND NOT isfinite(value)").fetchall()
     found: Dict[str, List[int]] = defaultdict(list)

@@ -40,10 +40,12 @@ SELECT step, micro_step,
                 coalesce(x, CAST(json_extract_string(nonfinite, '$."' || (i - 1) || '"') AS DOUBLE)))
             END AS value_list,
        iter AS iteration, ops, shape, dtype
-FROM read_json({files}, columns = {columns}, format = 'newline_delimited', ignore_errors = true,
-               filename = true)
-WHERE step IS NOT NULL AND kind IS NOT NULL AND name IS NOT NULL AND (value IS NOT NULL OR nonfinite IS NOT NULL)
+FROM {read} WHERE {valid}
 """
+JSONL_READ = ("read_json({files}, columns = {columns}, format = 'newline_delimited', ignore_errors = true, "
+              "filename = true)")
+# A line that is not a record (the half-written last line of a run in progress) reads as NULLs.
+JSONL_VALID = "step IS NOT NULL AND kind IS NOT NULL AND name IS NOT NULL AND (value IS NOT NULL OR nonfinite IS NOT NULL)"
 COLUMNS = ", ".join(columnar.schema().names)
 
 
@@ -58,8 +60,14 @@ def _literal(paths: Sequence[str]) -> str:
 def jsonl_sql(paths: Sequence[str]) -> str:
     """A SELECT of SCHEMA's columns over JSONL files (the rank from each file's `rank_<r>` folder)."""
     nulls = ", ".join(f"CAST(NULL AS INTEGER) AS {axis}" for axis in columnar.COORDINATES)
-    inner = JSONL_SELECT.format(nulls=nulls, files=_literal(paths), columns=JSONL_COLUMNS)
-    return f"SELECT {COLUMNS} FROM ({inner})"
+    read = JSONL_READ.format(files=_literal(paths), columns=JSONL_COLUMNS)
+    return f"SELECT {COLUMNS} FROM ({JSONL_SELECT.format(nulls=nulls, read=read, valid=JSONL_VALID)})"
+
+
+def skipped_lines_sql(path: str) -> str:
+    """The count of a JSONL file's lines that are not records."""
+    return f"SELECT count(*) FROM {JSONL_READ.format(files=_literal([path]), columns=JSONL_COLUMNS)} " \
+           f"WHERE NOT ({JSONL_VALID})"
 
 
 def run_sources(run_dir: str, source: str = "auto") -> List[Tuple[int, str]]:
