@@ -30,6 +30,14 @@ TOOLS = {
                                "-o", os.path.join(out, "query.csv")],
     "to-tensorboard": lambda run, out: ["to-tensorboard", run, "-o", os.path.join(out, "tb")],
 }
+# `compact` (JSONL -> Parquet) runs last on a JSONL run; the other tools read the format under test.
+SOURCE = {"jsonl": "jsonl", "parquet": "columnar"}
+
+
+def tool_argv(tool: str, run: str, out: str, fmt: str) -> List[str]:
+    if tool == "compact":
+        return ["compact", run]
+    return TOOLS[tool](run, out) + ["--source", SOURCE[fmt]]
 
 
 def parameter_names(count: int) -> List[str]:
@@ -132,7 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--params", type=int, default=111, help="parameters (111: the demo's train_state)")
     parser.add_argument("--micro", type=int, default=4, help="K, micro-batches per step")
     parser.add_argument("--formats", default="jsonl,parquet")
-    parser.add_argument("--tools", default="merge,report,query")
+    parser.add_argument("--tools", default="merge,report,query,compact",
+                        help=f"from {sorted(TOOLS) + ['compact']}")
     parser.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
     base = args.dir or tempfile.mkdtemp(prefix="mindmon-bench-scale-")
@@ -145,10 +154,12 @@ def main(argv=None) -> int:
             records, size = make_run(run, fmt, args.ranks, args.steps, args.params, args.micro)
             print(f"{fmt}: {records} records, {size / 2**20:.1f} MiB, written in {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
-            for tool in args.tools.split(","):
+            tools = [t for t in args.tools.split(",") if t != "compact"]
+            tools += ["compact"] if "compact" in args.tools.split(",") and fmt == "jsonl" else []
+            for tool in tools:
                 out = os.path.join(base, f"out_{fmt}_{tool}")
                 os.makedirs(out, exist_ok=True)
-                wall, rss, code = peak_rss(TOOLS[tool](run, out))
+                wall, rss, code = peak_rss(tool_argv(tool, run, out, fmt))
                 rows.append((f"{args.ranks} x {args.steps}", records, fmt, size, tool, wall, rss, code))
                 print(f"  {tool}: {wall:.1f} s, {rss:.0f} MiB, exit {code}", file=sys.stderr, flush=True)
     finally:
