@@ -129,7 +129,13 @@ def _analysis(command: str, run):
 def _merge(args) -> int:
     from .analysis.merge import merge
 
-    result = _analysis("merge", lambda: merge(args.run_dir, args.output, args.factor, args.memory_limit, args.source))
+    if args.engine == "dask":
+        from .analysis.dask_merge import merge_on_dask
+
+        result = _analysis("merge", lambda: merge_on_dask(args.run_dir, args.output, args.factor, args.scheduler))
+    else:
+        result = _analysis("merge", lambda: merge(args.run_dir, args.output, args.factor, args.memory_limit,
+                                                  args.source))
     if result is None:
         return 1
     path, flagged = result
@@ -276,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--factor", type=float, default=5.0,
                        help="flag a local_loss/micro_norm above FACTOR x the median of the other ranks (default: 5)")
     _engine_arguments(merge)
+    merge.add_argument("--engine", choices=("duckdb", "dask"), default="duckdb",
+                       help="duckdb (embedded, this machine) or dask (a Dask cluster, over the Parquet files)")
+    merge.add_argument("--scheduler", default=None,
+                       help="with --engine dask: the scheduler's address (default: a LocalCluster of 2 workers here)")
     merge.set_defaults(handler=_merge)
     _add_engine_commands(commands)
     check = commands.add_parser("check-config", help="validate the monitor/profiler/callbacks sections of a YAML")
