@@ -146,17 +146,22 @@ def test_killed_process_loses_at_most_the_step_in_flight(tmp_path):
 
 
 def test_a_resumed_run_keeps_the_steps_it_continues(tmp_path):
+    """Run 1 wrote steps 1 and 2 and was killed; the run resumed from step 1's checkpoint writes step 2
+    again: the file holds run 1's step 1 and the resumed run's step 2, once."""
+    again = [Record(2, None, 0, "device_loss", "loss", 9.5)]
     sink = ColumnarSink(str(tmp_path))
     sink.open(RunInfo(0))
-    sink.write(STEPS[1])
-    sink.flush()   # then killed: the stream stays
-    sink._stream.close()
+    for records in STEPS.values():
+        sink.write(records)
+        sink.flush()
+    sink._stream.close()   # killed: the stream stays
     resumed = ColumnarSink(str(tmp_path))
     resumed.open(RunInfo(0, start_step=1))
-    resumed.write(STEPS[2])
+    assert (tmp_path / "rank_0" / "metrics.parquet").exists()   # the killed run's stream, compacted first
+    resumed.write(again)
     resumed.flush()
     resumed.close()
-    assert_same_records(columnar.read_records(str(tmp_path / "rank_0" / "metrics.parquet")), STEPS[1] + STEPS[2])
+    assert_same_records(columnar.read_records(str(tmp_path / "rank_0" / "metrics.parquet")), STEPS[1] + again)
 
 
 @pytest.mark.parametrize("value, message", [

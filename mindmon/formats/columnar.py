@@ -24,6 +24,7 @@ Example:
 """
 import functools
 import glob
+import itertools
 import os
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -192,15 +193,19 @@ class ParquetFileWriter:
         os.remove(self._partial)
 
 
-def compact(folder: str) -> Optional[str]:
-    """`folder/metrics.arrows` (and an earlier `metrics.parquet` of the run it continues) into
+def compact(folder: str, previous_through: Optional[int] = None) -> Optional[str]:
+    """`folder/metrics.arrows` (after the rows of an earlier `metrics.parquet` of the run it continues,
+    those up to step `previous_through` when given: a resumed run writes the later steps again) into
     `folder/metrics.parquet`; the stream is removed. Returns the Parquet path, None without a stream."""
     stream = os.path.join(folder, STREAM_FILE)
     if not os.path.exists(stream):
         return None
     target = os.path.join(folder, PARQUET_FILE)
-    sources = ([target] if os.path.exists(target) else []) + [stream]
-    write_parquet(target, (batch for source in sources for batch in table_batches(source)))
+    earlier = table_batches(target) if os.path.exists(target) else iter(())
+    if previous_through is not None:
+        pc = require(EXTRA, "pyarrow.compute")
+        earlier = (batch.filter(pc.less_equal(batch.column("step"), previous_through)) for batch in earlier)
+    write_parquet(target, itertools.chain(earlier, table_batches(stream)))
     os.remove(stream)
     return target
 

@@ -14,8 +14,8 @@ from .lines import claim_folder, unwritable
 
 class ColumnarSink(Sink):
     """One Arrow record batch per step in `metrics.arrows`, compacted into `metrics.parquet` at close.
-    A new run replaces the rank's files; a resumed run keeps the rows it continues (the Parquet file,
-    and a stream a killed run left, which is compacted first).
+    A new run replaces the rank's files; a resumed run keeps the rows of the steps it continues from (up
+    to its start step: the Parquet file, and a stream a killed run left, which is compacted first).
 
     Example:
         sink = ColumnarSink("./output/monitor", coordinates={"dp": 0})
@@ -30,6 +30,7 @@ class ColumnarSink(Sink):
         self.coordinates = dict(coordinates or {})
         self.config_key = config_key
         self.rank = 0
+        self.resumed_at: Optional[int] = None
         self._stream: Optional[columnar.StreamWriter] = None
         self._pending: List[Record] = []
         self._lock: Optional[RunLock] = None
@@ -42,6 +43,7 @@ class ColumnarSink(Sink):
             raise ConfigError(f"monitor.metrics_formats: got 'parquet', which needs pyarrow; allowed: 'jsonl', or "
                               f"install it with `pip install 'mindmon[{columnar.EXTRA}]'`") from None
         self.rank = run.rank
+        self.resumed_at = run.start_step if run.resumed else None
         folder = rank_dir(self.output_dir, run.rank)
         lock = claim_folder(folder, self.config_key, self.output_dir)
         try:
@@ -78,6 +80,6 @@ class ColumnarSink(Sink):
         self._closed = True
         if self._stream is not None:
             self._stream.close()
-            columnar.compact(rank_dir(self.output_dir, self.rank))
+            columnar.compact(rank_dir(self.output_dir, self.rank), previous_through=self.resumed_at)
         if self._lock is not None:
             self._lock.release()
