@@ -26,7 +26,7 @@ test: install
 install-ms27:
 	@test -x $(BIN_MS27)/python || $(PYTHON) -m venv $(VENV_MS27)
 	$(BIN_MS27)/python -m pip install -q --upgrade "pip>=23"
-	$(BIN_MS27)/python -m pip install -q -c constraints-ms27.txt ".[mindspore,mindnlp,report,test]"
+	$(BIN_MS27)/python -m pip install -q -c constraints-ms27.txt ".[mindspore,mindnlp,report,analysis,test]"
 	@rm -rf build mindmon.egg-info
 
 # Two processes: `import mindnlp` changes mindspore.Tensor for the whole process it runs in.

@@ -2,8 +2,10 @@
 
     mindmon demo [--steps N] [--output DIR] [--config FILE] [--workers N]   train the embedded demo
     mindmon merge RUN_DIR [-o FILE.csv] [--factor F]           one table across ranks, outlier ranks flagged
+    mindmon compact RUN_DIR                                    every rank's records in rank_<r>/metrics.parquet
+    mindmon query RUN_DIR "SQL" [-o OUT]                       SQL over the run's records (the view `records`)
     mindmon check-config FILE.yaml                            validate and print the resolved sections
-    mindmon report RUN_DIR [-o PAGE.html]                      HTML page with PNG figures, from the JSONL
+    mindmon report RUN_DIR [-o PAGE.html] [--rank R]           HTML page with PNG figures: across ranks, per rank
     mindmon parse-log LOGFILE -o DIR [--rank R]               a MindFormers training log -> DIR/rank_<r>/metrics.jsonl
     mindmon to-tensorboard RUN_DIR [-o DIR]                   JSONL -> DIR/rank_<r>/ event files
     mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
@@ -110,19 +112,89 @@ def _demo_single(args, output: str, config_file) -> int:
     return 0
 
 
+def _analysis(command: str, run):
+    """run() of an analysis command; a missing file, a bad option, a missing extra or an error of the
+    engine (a bad query) is one line on stderr and exit code 1."""
+    from .extras import MissingExtraError
+
+    try:
+        return run()
+    except (FileNotFoundError, ValueError, MissingExtraError) as error:
+        print(f"mindmon {command}: {str(error).replace('mindmon: ', '', 1)}", file=sys.stderr)
+    except Exception as error:   # duckdb.Error: its classes exist only once the extra is imported
+        if type(error).__module__.split(".")[0] not in ("duckdb", "_duckdb", "pyarrow"):
+            raise
+        print(f"mindmon {command}: {str(error).splitlines()[0]}", file=sys.stderr)
+    return None
+
+
 def _merge(args) -> int:
     from mindmon.analysis.merge import merge
 
-    try:
-        path, flagged = merge(args.run_dir, args.output, args.factor)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"mindmon merge: {error}", file=sys.stderr)
+    if args.engine == "dask":
+        from .analysis.dask_merge import merge_on_dask
+
+        result = _analysis("merge", lambda: merge_on_dask(args.run_dir, args.output, args.factor, args.scheduler))
+    else:
+        result = _analysis("merge", lambda: merge(args.run_dir, args.output, args.factor, args.memory_limit,
+                                                  args.source))
+    if result is None:
         return 1
+    path, flagged = result
     print(f"mindmon merge: wrote {path}; {len(flagged)} row(s) with a rank that stands out")
     for row in flagged[:10]:
         print(f"  step {row[2]} micro_step {row[3] if row[3] != '' else '-'} {row[0]} {row[1]}: rank {row[-1]} "
               f"(min {row[5]:.6g}, max {row[6]:.6g})")
     return 0
+
+
+def _compact(args) -> int:
+    from .analysis.compact import compact_run
+
+    written = _analysis("compact", lambda: compact_run(args.run_dir, args.memory_limit))
+    if written is None:
+        return 1
+    print(f"mindmon compact: {len(written)} rank(s) in rank_<r>/metrics.parquet under {args.run_dir}")
+    return 0
+
+
+def _query(args) -> int:
+    from .analysis.query import run_query
+
+    done = _analysis("query", lambda: run_query(args.run_dir, args.sql, args.output, args.memory_limit, args.source,
+                                                args.threads))
+    if done is None:
+        return 1
+    if args.output:
+        print(f"mindmon query: wrote {done}", file=sys.stderr)
+    return 0
+
+
+def _engine_arguments(parser, threads: bool = False) -> None:
+    from .analysis.sql import DEFAULT_MEMORY_LIMIT, SOURCES
+
+    parser.add_argument("--memory-limit", default=DEFAULT_MEMORY_LIMIT,
+                        help=f"DuckDB's memory_limit; what does not fit spills to a temporary folder "
+                             f"(default: {DEFAULT_MEMORY_LIMIT})")
+    parser.add_argument("--source", choices=SOURCES, default="auto",
+                        help="read the columnar files, the JSONL, or (auto) the columnar where a rank has them")
+    if threads:
+        parser.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: every core)")
+
+
+def _add_engine_commands(commands) -> None:
+    compact = commands.add_parser("compact", help="write every rank's records to rank_<r>/metrics.parquet (from "
+                                  "its metrics.jsonl, or the Arrow stream a killed run left)")
+    compact.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output)")
+    compact.add_argument("--memory-limit", default="1GB", help="DuckDB's memory_limit (default: 1GB)")
+    compact.set_defaults(handler=_compact)
+    query = commands.add_parser("query", help="run SQL over the run's records, the view `records` (docs/outputs.md)")
+    query.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output)")
+    query.add_argument("sql", help='e.g. "SELECT rank, max(value) FROM records WHERE kind = \'local_loss\' GROUP BY rank"')
+    query.add_argument("-o", "--output", default=None,
+                       help="CSV, .parquet or .json file to write (default: CSV on standard output)")
+    _engine_arguments(query, threads=True)
+    query.set_defaults(handler=_query)
 
 
 def _profile_summary(args) -> int:
@@ -141,11 +213,11 @@ def _report(args) -> int:
     from mindmon.analysis.report import write_report
 
     output = args.output or os.path.join(args.run_dir if os.path.isdir(args.run_dir) else ".", "report.html")
-    try:
-        print(f"mindmon report: wrote {write_report(args.run_dir, output)}")
-    except FileNotFoundError as error:
-        print(f"mindmon: {error}", file=sys.stderr)
+    written = _analysis("report", lambda: write_report(args.run_dir, output, ranks=args.rank,
+                                                       memory_limit=args.memory_limit, source=args.source))
+    if written is None:
         return 1
+    print(f"mindmon report: wrote {written}")
     return 0
 
 
@@ -168,10 +240,9 @@ def _to_tensorboard(args) -> int:
     from mindmon.analysis.to_tensorboard import convert
 
     output = args.output or os.path.join(args.run_dir if os.path.isdir(args.run_dir) else ".", "tensorboard")
-    try:
-        written = convert(args.run_dir, output)
-    except FileNotFoundError as error:
-        print(f"mindmon: {error}", file=sys.stderr)
+    written = _analysis("to-tensorboard", lambda: convert(args.run_dir, output, memory_limit=args.memory_limit,
+                                                         source=args.source))
+    if written is None:
         return 1
     print(f"mindmon to-tensorboard: wrote {', '.join(written)}; view with: tensorboard --logdir {output}")
     return 0
@@ -223,7 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("-o", "--output", default=None, help="CSV to write (default: RUN_DIR/merged.csv)")
     merge.add_argument("--factor", type=float, default=5.0,
                        help="flag a local_loss/micro_norm above FACTOR x the median of the other ranks (default: 5)")
+    _engine_arguments(merge)
+    merge.add_argument("--engine", choices=("duckdb", "dask"), default="duckdb",
+                       help="duckdb (embedded, this machine) or dask (a Dask cluster, over the Parquet files)")
+    merge.add_argument("--scheduler", default=None,
+                       help="with --engine dask: the scheduler's address (default: a LocalCluster of 2 workers here)")
     merge.set_defaults(handler=_merge)
+    _add_engine_commands(commands)
     check = commands.add_parser("check-config", help="validate the monitor/profiler/callbacks sections of a YAML")
     check.add_argument("file")
     check.set_defaults(handler=_check_config)
@@ -238,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "rank_<r>/metrics.jsonl (works while the run is going)")
     report.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output) or one metrics.jsonl")
     report.add_argument("-o", "--output", default=None, help="page to write (default: RUN_DIR/report.html)")
+    report.add_argument("--rank", type=int, action="append", default=None,
+                        help="a rank to draw in detail (repeatable; default: every rank of a run of at most 8)")
+    _engine_arguments(report)
     report.set_defaults(handler=_report)
     parse = commands.add_parser("parse-log", help="read a MindFormers training log (LossCallback, monitor and "
                                 "max-logit lines) into mindmon's JSONL records")
@@ -249,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("to-tensorboard", help="TensorBoard event files from a run's JSONL")
     convert.add_argument("run_dir", help="the run's output (monitor.output_dir, the demo's --output) or one metrics.jsonl")
     convert.add_argument("-o", "--output", default=None, help="event directory (default: RUN_DIR/tensorboard)")
+    _engine_arguments(convert)
     convert.set_defaults(handler=_to_tensorboard)
     _add_anomalies(commands)
     _add_alerts(commands)

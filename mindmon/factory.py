@@ -80,10 +80,13 @@ class Build:
 
 
 def _own_outputs(build: Build) -> List[Sink]:
-    from mindmon.sinks import JsonlSink, LogSink
+    from mindmon.sinks import LogSink
+    from mindmon.sinks.metrics import metrics_sinks, parallel_coordinates
 
     monitor = build.config.monitor
-    sinks = [build.log_sink or LogSink(build.logger), JsonlSink(monitor.output_dir, layout=build.layout)]
+    sinks = [build.log_sink or LogSink(build.logger)]
+    sinks += metrics_sinks(monitor.metrics_formats, monitor.output_dir, parallel_coordinates(build.data_parallel,
+                                                                                             build.layout), build.layout)
     if monitor.tensorboard.enabled:
         from mindmon.sinks.tensorboard import TensorBoardSink, record_tags
 

@@ -28,7 +28,8 @@ def run(tmp_path_factory):
     overlay = {
         "model": SMALL_MODEL,
         "training": {"global_batch_size": GBS, "local_batch_size": LBS, "seed": SEED},
-        "monitor": {"train_state": {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True},
+        "monitor": {"metrics_formats": ["jsonl", "parquet"],
+                    "train_state": {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True},
                     "moe_monitor": {"save_tokens_per_expert_interval": 1}},
         "profiler": {"enable_profiling": True, "start_step": 2, "end_step": 2, "profiler_rank": [1],
                      "output_path": str(out / "profile"), "with_stack": False},
@@ -206,6 +207,29 @@ def test_merge_table(run):
         assert int(row["max_rank"]) == int(np.argmax(per_rank))
     device = rows[("device_loss", "loss", "2", "")]
     assert device["min"] == device["max"] and device["ranks"] == "2"
+
+
+def test_the_parquet_files_equal_the_jsonl_and_merge_equals_the_python_merge(run, tmp_path):
+    """Both formats on: each rank's Parquet holds its JSONL's records, with its data-parallel rank; merge
+    from the Parquet files writes the CSV the pure-Python merge wrote from the JSONL, byte for byte."""
+    import filecmp
+
+    import reference_tools
+    from test_columnar import assert_same_records
+
+    from mindmon.analysis.merge import merge
+    from mindmon.formats import columnar, jsonl
+
+    out, _ = run
+    for rank in range(RANKS):
+        folder = out / "monitor" / f"rank_{rank}"
+        assert not (folder / "metrics.arrows").exists()   # compacted at train end
+        assert_same_records(columnar.read_records(str(folder / "metrics.parquet")),
+                            jsonl.read_records(str(folder / "metrics.jsonl")))
+        assert set(columnar.read_table(str(folder / "metrics.parquet")).column("dp").to_pylist()) == {rank}
+    want, want_flagged = reference_tools.merge(str(out / "monitor"), str(tmp_path / "python.csv"))
+    got, flagged = merge(str(out / "monitor"), str(tmp_path / "engine.csv"), source="columnar", progress=None)
+    assert filecmp.cmp(want, got, shallow=False) and repr(flagged) == repr(want_flagged)
 
 
 def test_monitor_ranks_pick_who_collects():

@@ -15,14 +15,17 @@ import re
 import sys
 from collections import defaultdict
 from datetime import datetime
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                       MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
-from mindmon.formats.jsonl import metrics_files, read_records
-from mindmon.analysis.to_tensorboard import run_shape
+from mindmon.formats.columnar import records_of
+from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, Engine, skipped_lines_sql
+from mindmon.analysis.to_tensorboard import rank_shape
+
+RANK_SECTIONS = 8   # a larger run gets the cross-rank view, and per-rank sections on request (--rank)
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
@@ -247,14 +250,45 @@ def _table(rows: Dict[str, Dict[str, float]]) -> str:
     return f"<table><tr><th>MoE layer</th>{head}</tr>{body}</table>"
 
 
-def rank_section(rank: int, path: str, progress=None) -> str:
-    records = read_records(path)
-    _, micro_steps = run_shape(records)
-    steps = sorted({r.step for r in records})
+# The kinds the figures draw; local_norm (four times device_norm's rows) only when a rank has no device_norm.
+FIGURE_KINDS = (LOCAL_LOSS, DEVICE_LOSS, LOSS, GRAD_NORM, LEARNING_RATE, MAX_NORM, DEVICE_NORM, TOKENS_PER_EXPERT,
+                MOE_MAX_OVER_MEAN, MAX_ATTENTION_LOGIT)
+
+
+def figure_records(engine, rank: int) -> List[Record]:
+    """The rank's records of FIGURE_KINDS (or local_norm in place of device_norm), in file order."""
+    source = engine.rank_sql(rank)
+    wanted = list(FIGURE_KINDS)
+    if engine.first(f"SELECT count(*) FROM ({source}) WHERE kind = ?", [DEVICE_NORM])[0] == 0:
+        wanted.append(LOCAL_NORM)
+    return records_of(engine.relation(f"SELECT * FROM ({source}) WHERE list_contains(?, kind)", [wanted]).to_arrow_table())
+
+
+def rank_summary(engine, rank: int) -> Tuple[int, Optional[int], Optional[int], Dict[str, List[int]]]:
+    """(records, first step, last step, nonfinite_summary()) of one rank, asked of the engine."""
+    source = engine.rank_sql(rank)
+    for r, path in engine.sources:   # a run in progress: its last line may be half written (said, as the reader does)
+        skipped = engine.first(skipped_lines_sql(path))[0] if r == rank and path.endswith(".jsonl") else 0
+        if skipped:
+            print(f"mindmon: {path}: {skipped} line(s) that are not records were skipped", file=sys.stderr)
+    count, first, last = engine.first(f"SELECT count(*), min(step), max(step) FROM ({source})")
+    bad = engine.execute(f"SELECT kind, step FROM ({source}) WHERE value IS NOT NULL AND NOT isfinite(value)").fetchall()
+    found: Dict[str, List[int]] = defaultdict(list)
+    for kind, step in bad:
+        if step not in found[kind]:
+            found[kind].append(step)
+    return count, first, last, dict(found)
+
+
+def rank_section(engine, rank: int, progress=None) -> str:
+    records = figure_records(engine, rank)
+    _, micro_steps = rank_shape(engine, rank)
+    count, first, last, nonfinite = rank_summary(engine, rank)
     layers = tokens_by_layer(records, micro_steps)
-    parts = [f"<h2>Rank {rank}</h2><p>{html.escape(path)}: {len(records)} records, "
-             f"steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, {micro_steps} micro-step(s) per step</p>"]
-    nonfinite = nonfinite_summary(records)
+    where = ", ".join(path for r, path in engine.sources if r == rank)
+    parts = [f"<h2>Rank {rank}</h2><p>{html.escape(where)}: {count} records, "
+             f"steps {'-' if first is None else first}..{'-' if last is None else last}, "
+             f"{micro_steps} micro-step(s) per step</p>"]
     if nonfinite:
         listed = "; ".join(f"{kind} at step(s) {', '.join(map(str, steps))}" for kind, steps in nonfinite.items())
         parts.append(f'<p class="nonfinite">Not finite (NaN/inf, marked x in the figures): {html.escape(listed)}</p>')
@@ -277,9 +311,21 @@ _STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1100px} img{max-widt
           "table{border-collapse:collapse} td,th{border:1px solid #bbb;padding:2px 8px;text-align:right}")
 
 
-def write_report(run_dir: str, output: str, progress=sys.stderr) -> str:
-    """Writes the page to `output` and returns its path."""
-    sections = [rank_section(rank, path, progress) for rank, path in metrics_files(run_dir)]
+def write_report(run_dir: str, output: str, progress=sys.stderr, ranks: Optional[Sequence[int]] = None,
+                 memory_limit: str = DEFAULT_MEMORY_LIMIT, source: str = "auto") -> str:
+    """Writes the page to `output` and returns its path. With more than one rank the page opens with
+    the cross-rank view (mindmon.analysis.across_ranks); one section per rank follows for `ranks`
+    (default: every rank of a run of at most RANK_SECTIONS ranks, none of a larger one)."""
+    from .across_ranks import across_ranks_section
+
+    with Engine(run_dir, memory_limit, source=source) as engine:
+        every = engine.ranks()
+        missing = sorted(set(ranks or ()) - set(every))
+        if missing:
+            raise ValueError(f"--rank: got {missing}; allowed: the run's ranks, {every[0]}..{every[-1]}")
+        chosen = list(ranks) if ranks else (every if len(every) <= RANK_SECTIONS else [])
+        sections = [across_ranks_section(engine, progress, _png, _figure)] if len(every) > 1 else []
+        sections += [rank_section(engine, rank, progress) for rank in chosen]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mindmon report</title>"
             f"<style>{_STYLE}</style></head><body><h1>mindmon report</h1>"
             f"<p>{html.escape(run_dir)} &mdash; generated {datetime.now():%Y-%m-%d %H:%M:%S}</p>"

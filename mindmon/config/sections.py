@@ -27,7 +27,8 @@ DEFAULT_OUTPUT_DIR = "./output/monitor"
 # MindFormers' own monitor keys, handed to the stock config unchanged (1.9.0 accepts them);
 # mindmon also reads `tensorboard` (TensorBoardConfig).
 PASSTHROUGH_MONITOR_KEYS = ("health_checkpoint", "tensorboard")
-MONITOR_KEYS = ("output_dir", "ranks", "data_parallel_group")
+MONITOR_KEYS = ("output_dir", "ranks", "data_parallel_group", "metrics_formats")
+METRICS_FORMATS = ("jsonl", "parquet")
 
 
 # Events tensorboardX may buffer; its queue is a semaphore that overflows at 2**31 - 1.
@@ -105,6 +106,7 @@ class MonitorConfig(_Sections):
     ranks: Optional[Tuple[int, ...]] = None
     data_parallel_group: Optional[str] = None
     sections: Mapping[str, Any] = field(default_factory=dict)
+    metrics_formats: Tuple[str, ...] = ("jsonl",)   # rank_<r>/metrics.jsonl and/or rank_<r>/metrics.parquet
 
     def selects_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -127,12 +129,14 @@ class MonitorConfig(_Sections):
         tensorboard = TensorBoardConfig.parse(f"{path}.tensorboard", section.get("tensorboard"))
         ranks = parse_ranks(f"{path}.ranks", section.get("ranks"))
         sections = {f.name: f.parse(f.path, section.get(key)) for key, f in keys.items()}
-        return cls(output_dir, tensorboard, ranks, group, sections)
+        formats = parse_metrics_formats(f"{path}.metrics_formats", section.get("metrics_formats", ["jsonl"]))
+        return cls(output_dir, tensorboard, ranks, group, sections, formats)
 
     def to_dict(self) -> dict:
         return {"output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
                 "ranks": list(self.ranks) if self.ranks is not None else None,
-                "data_parallel_group": self.data_parallel_group, **self.section_dicts()}
+                "data_parallel_group": self.data_parallel_group, "metrics_formats": list(self.metrics_formats),
+                **self.section_dicts()}
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,17 @@ class MindmonConfig(_Sections):
     def to_dict(self) -> dict:
         return {"monitor": self.monitor.to_dict(), **self.section_dicts(),
                 "callbacks": [dict(c) for c in self.callbacks]}
+
+
+def parse_metrics_formats(path: str, value: Any) -> Tuple[str, ...]:
+    """A non-empty list of distinct METRICS_FORMATS (a single name is accepted too)."""
+    formats = [value] if isinstance(value, str) else value
+    allowed = f"a non-empty list of distinct names from {list(METRICS_FORMATS)}"
+    if not isinstance(formats, (list, tuple)) or not formats or not all(isinstance(f, str) for f in formats):
+        raise type_error(path, value, allowed)
+    if not set(formats) <= set(METRICS_FORMATS) or len(set(formats)) != len(formats):
+        raise value_error(path, value, allowed)
+    return tuple(formats)
 
 
 def parse_callbacks(value: Any, path: str = "callbacks") -> Tuple[dict, ...]:

@@ -2,12 +2,10 @@
 import os
 from typing import List, Sequence
 
-from mindmon.config import ConfigError
 from mindmon.engine import RunInfo
 from mindmon.formats import jsonl, parallel_layout
-from mindmon.formats.layout import RunLock
 from mindmon.records import Record
-from mindmon.sinks.lines import LinesFileSink
+from mindmon.sinks.lines import LinesFileSink, claim_folder
 
 
 class JsonlSink(LinesFileSink):
@@ -27,13 +25,7 @@ class JsonlSink(LinesFileSink):
 
     def open(self, run: RunInfo) -> None:
         """Refuses a folder another live run is writing (its `run.lock`), before touching its file."""
-        folder = os.path.dirname(self.file_path(run.rank))
-        lock = RunLock(folder)
-        owner = lock.owner()
-        if owner is not None:
-            raise ConfigError(f"{self.config_key}: got {self.output_dir!r}; a running job (pid {owner[0]} on "
-                              f"{owner[1]}) is writing {folder}; allowed: an output directory no live run writes "
-                              f"to (if that job is gone, delete {lock.path})")
+        lock = claim_folder(os.path.dirname(self.file_path(run.rank)), self.config_key, self.output_dir)
         super().open(run)
         lock.acquire()
         self._lock = lock

@@ -5,6 +5,7 @@ from typing import List, Optional, Sequence
 
 from mindmon.config import ConfigError
 from mindmon.engine import RunInfo, Sink
+from mindmon.formats.layout import RunLock
 from mindmon.records import Record
 
 
@@ -13,6 +14,17 @@ def unwritable(config_key: str, configured: str, path: str, error: Exception) ->
     return ConfigError(f"{config_key}: got {configured!r}; cannot write {path!r} "
                        f"({getattr(error, 'strerror', None) or error}); allowed: a directory this process can "
                        f"create and write")
+
+
+def claim_folder(folder: str, config_key: str, configured: str) -> RunLock:
+    """The folder's `run.lock`, taken; a folder another live run is writing is a ConfigError."""
+    lock = RunLock(folder)
+    owner = lock.owner()
+    if owner is not None:
+        raise ConfigError(f"{config_key}: got {configured!r}; a running job (pid {owner[0]} on "
+                          f"{owner[1]}) is writing {folder}; allowed: an output directory no live run writes "
+                          f"to (if that job is gone, delete {lock.path})")
+    return lock
 
 
 class LinesFileSink(Sink):

@@ -1,10 +1,11 @@
 """A plain MindSpore training loop monitored by mindmon, for the fault tests.
 
-    python plain_loop_job.py OUTPUT_DIR STEPS [FSIZE_LIMIT_BYTES]
+    python plain_loop_job.py OUTPUT_DIR STEPS [FSIZE_LIMIT_BYTES [METRICS_FORMATS]]
 
 Prints `step <n>` after each step and `after train` once `group.close()` has returned: the line a
 user's code after training would reach. With FSIZE_LIMIT_BYTES, files may not grow past that size
-(writes beyond it fail with EFBIG, as on a full disk).
+(writes beyond it fail with EFBIG, as on a full disk). METRICS_FORMATS: monitor.metrics_formats,
+comma-separated (default: jsonl).
 """
 import logging
 import resource
@@ -29,12 +30,12 @@ class Regression(nn.Cell):
         return (diff * diff).mean()
 
 
-def main(output_dir: str, steps: int, fsize_limit: int = 0) -> None:
+def main(output_dir: str, steps: int, fsize_limit: int = 0, formats: str = "jsonl") -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.01)
-    config = parse_sections({"monitor": {"output_dir": output_dir, "train_state": {
+    config = parse_sections({"monitor": {"output_dir": output_dir, "metrics_formats": formats.split(","), "train_state": {
         "local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True}}})
     group = build_group(config, parameter_names=[p.name for p in optimizer.parameters])
     train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=2, group=group)
@@ -54,4 +55,5 @@ def main(output_dir: str, steps: int, fsize_limit: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0,
+         sys.argv[4] if len(sys.argv) > 4 else "jsonl")

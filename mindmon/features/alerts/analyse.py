@@ -20,6 +20,7 @@ import sys
 from glob import glob
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mindmon.extras import MissingExtraError
 from mindmon.features.alerts.dump import DUMP_DIR, DUMP_FILE, write_json_atomically
 
 ANALYSE_FILE = "anomaly_analyse.json"
@@ -28,25 +29,28 @@ GRADIENT_KINDS = ("actv_grad", "grad_unreduced", "local_norm", "micro_norm", "gr
                   "grad_norm")
 
 
-def phase(entry: dict) -> int:
-    """0 forward, 1 gradients, 2 optimizer state and step-end values."""
-    kind = entry.get("kind")
-    if kind is None:  # an msprobe dump: `<module>/rank<r>/<input|output>[_grad]` or a parameter tag
-        tag = entry.get("tag_name", "")
-        if tag.endswith("_grad"):
-            return 1
-        if re.search(r"/(input|output)(_\d+)?$", tag):
-            return 0
-        return 2 if "exp_avg" in tag else 1
-    if kind in FORWARD_KINDS:
-        return 0
-    return 1 if kind in GRADIENT_KINDS else 2
-
-
-def order_key(entry: dict) -> tuple:
-    micro = entry.get("micro_step")
-    return (entry["step"], float("inf") if micro is None else micro, phase(entry), entry.get("pp_stage", 0),
-            entry.get("vpp_stage", 0), entry.get("call_id", 0), entry.get("rank", 0))
+# The order of the module docstring, in DuckDB: ties keep the file order (rank folders sorted, then
+# each file's keys in order). An msprobe dump has no `kind`: its phase comes from the tag name.
+ORDER_SQL = """
+WITH files AS (SELECT unnest($paths) AS filename, generate_subscripts($paths, 1) AS file_no),
+entries AS (
+    SELECT files.file_no, j.id AS position, j.key, j.value AS entry, j.value ->> 'kind' AS kind,
+           coalesce(j.value ->> 'tag_name', '') AS tag
+    FROM read_text($paths) AS t JOIN files USING (filename), json_each(CAST(t.content AS JSON)) AS j
+)
+SELECT file_no, key FROM entries
+WHERE $steps IS NULL OR list_contains($steps, CAST(entry ->> 'step' AS BIGINT))
+ORDER BY CAST(entry ->> 'step' AS DOUBLE),
+         coalesce(CAST(entry ->> 'micro_step' AS DOUBLE), CAST('inf' AS DOUBLE)),
+         CASE WHEN kind IS NULL THEN
+                  CASE WHEN ends_with(tag, '_grad') THEN 1 WHEN regexp_matches(tag, '/(input|output)(_\\d+)?$') THEN 0
+                       WHEN contains(tag, 'exp_avg') THEN 2 ELSE 1 END
+              WHEN list_contains($forward, kind) THEN 0 WHEN list_contains($gradient, kind) THEN 1 ELSE 2 END,
+         coalesce(CAST(entry ->> 'pp_stage' AS BIGINT), 0), coalesce(CAST(entry ->> 'vpp_stage' AS BIGINT), 0),
+         coalesce(CAST(entry ->> 'call_id' AS BIGINT), 0), coalesce(CAST(entry ->> 'rank' AS BIGINT), 0),
+         file_no, position
+LIMIT $k
+"""
 
 
 def parse_steps(text: Optional[str]) -> Optional[set]:
@@ -69,17 +73,31 @@ def dump_folder(data_path: str) -> str:
     return nested if os.path.isdir(nested) else data_path
 
 
-def read_dumps(folder: str) -> List[Tuple[str, dict]]:
-    entries = []
-    for path in sorted(glob(os.path.join(folder, "rank*", DUMP_FILE))):
+def dump_files(folder: str) -> List[str]:
+    return sorted(glob(os.path.join(folder, "rank*", DUMP_FILE)))
+
+
+def read_dumps(paths: Sequence[str]) -> List[Dict[str, dict]]:
+    out = []
+    for path in paths:
         with open(path, encoding="utf-8") as f:
-            entries += list(json.load(f).items())
-    return entries
+            out.append(json.load(f))
+    return out
 
 
-def top_anomalies(entries: Sequence[Tuple[str, dict]], k: int, steps: Optional[set] = None):
-    chosen = [(key, entry) for key, entry in entries if steps is None or entry["step"] in steps]
-    return sorted(chosen, key=lambda item: order_key(item[1]))[:k]
+def top_anomalies(paths: Sequence[str], k: int, steps: Optional[set] = None) -> List[Tuple[str, dict]]:
+    """The first k (key, entry) of these anomaly.json files in the module's order, ordered by DuckDB."""
+    from ..analysis.sql import duckdb
+
+    dumps = read_dumps(paths)
+    con = duckdb().connect()
+    try:
+        order = con.execute(ORDER_SQL, {"paths": list(paths), "k": k, "forward": list(FORWARD_KINDS),
+                                        "gradient": list(GRADIENT_KINDS),
+                                        "steps": None if steps is None else sorted(steps)}).fetchall()
+    finally:
+        con.close()
+    return [(key, dumps[file_no - 1][key]) for file_no, key in order]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,11 +131,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"mindmon anomalies: {error}", file=sys.stderr)
         return 1
     folder = dump_folder(args.data_path)
-    entries = read_dumps(folder)
-    if not entries:
+    paths = dump_files(folder)
+    if not any(read_dumps(paths)):
         print(f"mindmon anomalies: no rank*/{DUMP_FILE} with anomalies under {folder}", file=sys.stderr)
         return 1
-    top = top_anomalies(entries, args.topk, steps)
+    try:
+        top = top_anomalies(paths, args.topk, steps)
+    except MissingExtraError as error:
+        print(f"mindmon anomalies: {str(error).replace('mindmon: ', '', 1)}", file=sys.stderr)
+        return 1
     out = args.out_path or folder
     out = os.path.join(out, ANALYSE_FILE) if not out.endswith(".json") else out
     result: Dict[str, dict] = dict(top)
