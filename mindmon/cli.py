@@ -115,7 +115,7 @@ def _demo_single(args, output: str, config_file) -> int:
 def _analysis(command: str, run):
     """run() of an analysis command; a missing file, a bad option, a missing extra or an error of the
     engine (a bad query) is one line on stderr and exit code 1."""
-    from .extras import MissingExtraError
+    from mindmon.extras import MissingExtraError
 
     try:
         return run()
@@ -132,7 +132,7 @@ def _merge(args) -> int:
     from mindmon.analysis.merge import merge
 
     if args.engine == "dask":
-        from .analysis.dask_merge import merge_on_dask
+        from mindmon.analysis.dask_merge import merge_on_dask
 
         result = _analysis("merge", lambda: merge_on_dask(args.run_dir, args.output, args.factor, args.scheduler))
     else:
@@ -149,7 +149,7 @@ def _merge(args) -> int:
 
 
 def _compact(args) -> int:
-    from .analysis.compact import compact_run
+    from mindmon.analysis.compact import compact_run
 
     written = _analysis("compact", lambda: compact_run(args.run_dir, args.memory_limit))
     if written is None:
@@ -159,7 +159,7 @@ def _compact(args) -> int:
 
 
 def _query(args) -> int:
-    from .analysis.query import run_query
+    from mindmon.analysis.query import run_query
 
     done = _analysis("query", lambda: run_query(args.run_dir, args.sql, args.output, args.memory_limit, args.source,
                                                 args.threads))
@@ -171,7 +171,7 @@ def _query(args) -> int:
 
 
 def _engine_arguments(parser, threads: bool = False) -> None:
-    from .analysis.sql import DEFAULT_MEMORY_LIMIT, SOURCES
+    from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, SOURCES
 
     parser.add_argument("--memory-limit", default=DEFAULT_MEMORY_LIMIT,
                         help=f"DuckDB's memory_limit; what does not fit spills to a temporary folder "

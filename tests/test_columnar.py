@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mindmon.config import ConfigError, MonitorConfig
+from mindmon.config import ConfigError
+from mindmon.features import parse_sections
 from mindmon.engine import RunInfo
 from mindmon.formats import columnar, jsonl
 from mindmon.records import Record, TensorStatsRecord
@@ -172,10 +173,10 @@ def test_a_resumed_run_keeps_the_steps_it_continues(tmp_path):
 ])
 def test_bad_metrics_formats_name_the_key(value, message):
     with pytest.raises(ConfigError) as error:
-        MonitorConfig.parse({"metrics_formats": value})
+        parse_sections({"monitor": {"metrics_formats": value}})
     assert str(error.value).startswith(message)
-    assert MonitorConfig.parse({"metrics_formats": "parquet"}).metrics_formats == ("parquet",)
-    assert MonitorConfig.parse({}).metrics_formats == ("jsonl",)
+    assert parse_sections({"monitor": {"metrics_formats": "parquet"}}).monitor.metrics_formats == ("parquet",)
+    assert parse_sections({}).monitor.metrics_formats == ("jsonl",)
 
 
 def test_a_missing_engine_is_one_line_naming_the_extra(tmp_path):

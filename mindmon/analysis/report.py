@@ -316,7 +316,7 @@ def write_report(run_dir: str, output: str, progress=sys.stderr, ranks: Optional
     """Writes the page to `output` and returns its path. With more than one rank the page opens with
     the cross-rank view (mindmon.analysis.across_ranks); one section per rank follows for `ranks`
     (default: every rank of a run of at most RANK_SECTIONS ranks, none of a larger one)."""
-    from .across_ranks import across_ranks_section
+    from mindmon.analysis.across_ranks import across_ranks_section
 
     with Engine(run_dir, memory_limit, source=source) as engine:
         every = engine.ranks()

@@ -153,7 +153,7 @@ class TensorBoardSink(Sink):
         """The record's heat map with its new column, as an image (kj600's form of the update/ratio
         histograms): drawn again at every step, so the image at step s shows steps up to s."""
         if self.heatmaps is None:
-            from .heatmap import Heatmaps
+            from mindmon.sinks.heatmap import Heatmaps
 
             self.heatmaps = Heatmaps()
         image = self.heatmaps.add(record, step)
