@@ -281,6 +281,17 @@ def _add_csv2tensorboard(commands) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindmon", description="Training monitors for MindSpore/MindFormers.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(commands)
+    _add_engine_commands(commands)
+    _add_offline_commands(commands)
+    _add_anomalies(commands)
+    _add_alerts(commands)
+    _add_csv2tensorboard(commands)
+    return parser
+
+
+def _add_run_commands(commands) -> None:
+    """demo, merge, check-config."""
     demo = commands.add_parser("demo", help="train the embedded MoE GPT demo through the stock MindFormers Trainer")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: the YAML's, 20)")
     demo.add_argument("--output", default="./output", help="where logs and metrics go (default: ./output)")
@@ -300,10 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--scheduler", default=None,
                        help="with --engine dask: the scheduler's address (default: a LocalCluster of 2 workers here)")
     merge.set_defaults(handler=_merge)
-    _add_engine_commands(commands)
     check = commands.add_parser("check-config", help="validate the monitor/profiler/callbacks sections of a YAML")
     check.add_argument("file")
     check.set_defaults(handler=_check_config)
+
+
+def _add_offline_commands(commands) -> None:
+    """profile-summary, report, parse-log, to-tensorboard."""
     summary = commands.add_parser("profile-summary", help="print the operators that took the most time in the "
                                   "profiler output under DIR (output_path, rank_<r> or one *_ascend_ms trace folder)")
     summary.add_argument("dir")
@@ -331,10 +345,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", default=None, help="event directory (default: RUN_DIR/tensorboard)")
     _engine_arguments(convert)
     convert.set_defaults(handler=_to_tensorboard)
-    _add_anomalies(commands)
-    _add_alerts(commands)
-    _add_csv2tensorboard(commands)
-    return parser
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from mindmon.config import ConfigError
-from mindmon.engine import RunInfo, Sink, SinkClosedError
+from mindmon.engine import RunInfo, Sink
 from mindmon.formats import columnar
 from mindmon.formats.layout import RunLock, rank_dir
 from mindmon.extras import MissingExtraError
@@ -34,7 +34,6 @@ class ColumnarSink(Sink):
         self._stream: Optional[columnar.StreamWriter] = None
         self._pending: List[Record] = []
         self._lock: Optional[RunLock] = None
-        self._closed = False
 
     def open(self, run: RunInfo) -> None:
         try:
@@ -61,23 +60,19 @@ class ColumnarSink(Sink):
         self._lock = lock
 
     def write(self, records: Sequence[Record]) -> None:
-        if self._closed:
-            raise SinkClosedError(f"mindmon: ColumnarSink: write after close(); {self.output_dir} is finished")
         if self._stream is None:
             raise RuntimeError("mindmon: ColumnarSink: write before open()")
         self._pending.extend(records)
 
     def flush(self) -> None:
-        if self._stream is not None and self._pending and not self._closed:
+        if self._stream is not None and self._pending and not self.closed:
             batch = columnar.record_batch(self._pending, self.rank, self.coordinates)
             self._pending = []
             self._stream.write(batch)
 
     def close(self) -> None:
-        if self._closed:
-            return
+        """Once (the Sink base sees to it): the step in flight, then the stream compacted to Parquet."""
         self.flush()
-        self._closed = True
         if self._stream is not None:
             self._stream.close()
             columnar.compact(rank_dir(self.output_dir, self.rank), previous_through=self.resumed_at)
