@@ -75,5 +75,5 @@ def _monitors(section: TensorStatsConfig, build) -> tuple:
 
 FEATURE = Feature("tensor_stats", "monitor.tensor_stats", parse=_parse, build=build,
                   example={"monitor": {"tensor_stats": {"wg_distribution": True, "param_distribution": True,
-                                                                 "ops": ["norm", "min"]}}})
+                                                        "ops": ["norm", "min"]}}})
 __all__ = ["CSV_FOLDER", "FEATURE", "TensorStatsConfig", "parse_tensor_stats"]

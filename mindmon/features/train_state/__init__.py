@@ -8,9 +8,9 @@ def build(build, section: TrainStateConfig) -> None:
         from mindmon.features.train_state.monitor import TrainStateMonitor
 
         build.add_monitor(TrainStateMonitor(section, build.parameter_names, build.rank, build.on_host,
-                                              layout=build.layout))
+                                            layout=build.layout))
 
 
 FEATURE = Feature("train_state", "monitor.train_state", parse=TrainStateConfig.parse, build=build,
-                  example={"monitor": {"train_state": {"local_norm": True, "local_loss": True, "device_norm": True,
-                                                                "device_loss": True}}})
+                  example={"monitor": {"train_state": {"local_norm": True, "local_loss": True,
+                                                       "device_norm": True, "device_loss": True}}})
