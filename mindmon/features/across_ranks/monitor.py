@@ -21,7 +21,7 @@ import numpy as np
 
 from mindmon.engine import Monitor
 from mindmon.features.across_ranks.summaries import Column, summary_records
-from mindmon.kernels.stats import SquaredNorms
+from mindmon.kernels.stats import SquaredNorms, to_float
 from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM,
                              TOKENS_PER_EXPERT_STEP, Record)
 
@@ -103,13 +103,17 @@ class AcrossRanksMonitor(Monitor):
 
     def cross_rank_buffer(self, num_micro_steps: int):
         """The (ranks x columns) zeros with this rank's row filled in, flat, as one float32 Tensor."""
-        from mindspore import mint
+        from mindspore import Tensor, mint
         import mindspore as ms
 
         row = self._row(num_micro_steps)
         if row is None:
             return None
         width = len(self.columns(num_micro_steps))
+        if isinstance(row, np.ndarray):   # CPU: laid out in numpy, one Tensor made
+            rows = np.zeros((self.size, width), np.float32)
+            rows[self.dp_rank] = row
+            return Tensor(rows.reshape(-1))
         before = mint.zeros(self.dp_rank * width, dtype=ms.float32)
         after = mint.zeros((self.size - self.dp_rank - 1) * width, dtype=ms.float32)
         return mint.cat([before, row, after])
@@ -118,13 +122,13 @@ class AcrossRanksMonitor(Monitor):
         self._summed = summed if self.dp_rank == 0 else None   # only rank 0 writes
 
     def _row(self, num_micro_steps: int):
-        """This rank's values in column order, one float32 Tensor (still on the device); None when the
-        step did not record what the layout expects (then the group sends zeros)."""
+        """This rank's values in column order: a float32 numpy array on CPU, else one float32 Tensor still
+        on the device; None when the step did not record what the layout expects (the group sends zeros)."""
         pieces = []
         if self.losses or self.device_loss:
             if len(self._losses) != num_micro_steps:
                 return None
-            losses = _stack(self._losses)
+            losses = np.array([to_float(v) for v in self._losses]) if self.on_host else _stack(self._losses)
             pieces += ([losses] if self.losses else []) + ([losses.mean().reshape(1)] if self.device_loss else [])
         if self.norm_indices:
             if len(self._micro) != num_micro_steps or self._accumulated is None:
@@ -137,6 +141,8 @@ class AcrossRanksMonitor(Monitor):
             if tokens is None:
                 return None
             pieces.append(tokens)
+        if self.on_host and all(isinstance(p, np.ndarray) for p in pieces):
+            return np.concatenate([p.reshape(-1) for p in pieces]).astype(np.float32)
         return _concat(pieces)
 
     def collect(self, step: int) -> List[Record]:
@@ -144,7 +150,8 @@ class AcrossRanksMonitor(Monitor):
         if self._summed is not None:
             rows = self._summed.asnumpy().reshape(self.size, -1)   # the step's one transfer
         elif self.size == 1 and self._own_row is not None:
-            rows = self._own_row.asnumpy().reshape(1, -1)
+            own = self._own_row
+            rows = (own if isinstance(own, np.ndarray) else own.asnumpy()).reshape(1, -1)
         self.reset()
         if rows is None or self.dp_rank != 0:
             return []
