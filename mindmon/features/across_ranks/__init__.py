@@ -18,9 +18,8 @@ def build(build, section: AcrossRanksConfig) -> None:
         raise ConfigError(f"{PATH}.enabled: true under model parallelism (tensor, pipeline, expert or context "
                           f"parallel groups); allowed: data parallelism only")
     from mindmon.features.across_ranks.monitor import AcrossRanksMonitor
-    from mindmon.features.moe_tokens.monitor import MoETokensMonitor
 
-    moe = next((m for m in build.monitors if isinstance(m, MoETokensMonitor)), None)
+    moe = build.parts.get("moe_monitor")
     train_state = build.config.monitor.sections.get("train_state")
     monitor = AcrossRanksMonitor(train_state if train_state is not None and train_state.active else None,
                                  build.parameter_names, build.data_parallel, build.on_host, moe, build.rank)
