@@ -152,13 +152,17 @@ class TensorBoardSink(Sink):
         self._add_scalars(at)
 
     def _add_scalars(self, at) -> None:
-        """Every x's scalars in one event: 2,800 values a step cost 0.39 s as one event each, 25 ms this
-        way (docs/performance.md, "Cross-rank summaries")."""
+        """Every x's scalars in one event. MindSpore selects protobuf's pure-Python implementation, where
+        an event per value (add_scalar) cost about 140 us a value here, and a Value made with keyword
+        arguments 3.5x what `value.add()` costs (docs/performance.md, "Cross-rank summaries")."""
         from tensorboardX.proto.summary_pb2 import Summary
 
         for x, scalars in at.items():
-            values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars]
-            self._writer.file_writer.add_summary(Summary(value=values), x[1] if isinstance(x, tuple) else x)
+            summary = Summary()
+            for tag, value in scalars:
+                entry = summary.value.add()
+                entry.tag, entry.simple_value = tag, float(value)
+            self._writer.file_writer.add_summary(summary, x[1] if isinstance(x, tuple) else x)
 
     def _add_heatmap(self, record: Record, step: int) -> None:
         """The record's heat map with its new column, as an image (kj600's form of the update/ratio
