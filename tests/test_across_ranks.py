@@ -101,3 +101,24 @@ def test_tensorboard_of_rank_0_shows_the_summaries(run):
         assert tags[f"across_ranks/{name}"][x] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, micro, name)
     for rank in range(1, RANKS):
         assert not [t for t in scalars(out / "tensorboard" / f"rank_{rank}") if t.startswith("across_ranks/")]
+
+
+def test_the_offline_readers_take_the_summaries(run, tmp_path):
+    """mindmon's own JSONL reader and `mindmon query` (DuckDB) give back what rank 0 wrote."""
+    import csv
+
+    from mindmon.analysis.query import run_query
+    from mindmon.formats.jsonl import metrics_path, read_records
+
+    out, per_rank = run
+    got = across_records(per_rank[0])
+    records = [r for r in read_records(metrics_path(str(out), 0)) if r.kind == "across_ranks"]
+    assert {(r.step, r.micro_step, r.name): r.value for r in records} == got
+    table = tmp_path / "across.csv"
+    run_query(str(out), "SELECT step, micro_step, rank, name, value FROM records WHERE kind = 'across_ranks'",
+              str(table))
+    with open(table) as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["rank"] for row in rows} == {"0"}
+    assert {(int(row["step"]), int(row["micro_step"]) if row["micro_step"] else None, row["name"]):
+            float(row["value"]) for row in rows} == got
