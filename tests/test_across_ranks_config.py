@@ -64,3 +64,38 @@ def test_one_rank_summarises_its_own_values(tmp_path):
             assert summaries[(step, micro, f"{column}/{statistic}")] == 0.0
     assert len(summaries) == 5 * (len(own) + len(accumulated))
     assert np.isfinite(list(summaries.values())).all()
+
+
+def test_a_dropped_monitor_still_sends_its_buffer_as_zeros(caplog):
+    """Every rank's all-reduce payload must keep its size: a monitor that fails while making its K-sized
+    buffer is switched off and the group sends zeros of that size in its place, then skips it on receive."""
+    from mindspore import Tensor
+
+    from mindmon.engine import Monitor
+    from mindmon.group import MonitorGroup
+
+    class Buffered(Monitor):
+        def __init__(self, fail):
+            self.fail, self.received = fail, None
+
+        def collect(self, step):
+            return []
+
+        def cross_rank_buffer_size(self, num_micro_steps):
+            return 3 * num_micro_steps
+
+        def cross_rank_buffer(self, num_micro_steps):
+            if self.fail:
+                raise RuntimeError("broken")
+            return Tensor(np.arange(3 * num_micro_steps, dtype=np.float32))
+
+        def receive_cross_rank_buffer(self, summed):
+            self.received = summed.asnumpy()
+
+    broken, working = Buffered(True), Buffered(False)
+    group = MonitorGroup([broken, working])
+    payload = group.cross_rank_sums(num_micro_steps=2)
+    assert [p.asnumpy().tolist() for p in payload] == [[0.0] * 6, [0, 1, 2, 3, 4, 5]]
+    assert broken not in group.monitors and "Buffered failed and is switched off" in caplog.text
+    group.receive_cross_rank_sums([Tensor(np.full(6, 7.0, np.float32)), Tensor(np.full(6, 9.0, np.float32))])
+    assert broken.received is None and working.received.tolist() == [9.0] * 6
