@@ -122,3 +122,26 @@ def test_the_offline_readers_take_the_summaries(run, tmp_path):
     assert {row["rank"] for row in rows} == {"0"}
     assert {(int(row["step"]), int(row["micro_step"]) if row["micro_step"] else None, row["name"]):
             float(row["value"]) for row in rows} == got
+
+
+def test_the_report_section_counts_the_maxima_and_draws_the_loss_band(run, tmp_path):
+    from collections import Counter
+
+    from mindmon.analysis.live_summaries import TOP, loss_band, most_often_max
+    from mindmon.analysis.report import write_report
+    from mindmon.analysis.sql import Engine
+
+    out, per_rank = run
+    got = across_records(per_rank[0])
+    counts = Counter((int(v), name.split("/")[0]) for (_, _, name), v in got.items() if name.endswith("/max_rank"))
+    want = sorted(((rank, what, n) for (rank, what), n in counts.items()), key=lambda t: (-t[2], t[0], t[1]))[:TOP]
+    with Engine(str(out)) as engine:
+        assert most_often_max(engine) == want
+        band = loss_band(engine)
+    assert [row[0] for row in band] == sorted(row[0] for row in band)   # by step
+    assert sorted(band) == sorted((s, name, v) for (s, _, name), v in got.items()
+                                  if name in ("device_loss/min", "device_loss/mean", "device_loss/max"))
+    assert len(band) == 3 * STEPS
+    page = open(write_report(str(out), str(tmp_path / "report.html"), progress=None), encoding="utf-8").read()
+    assert '<img alt="loss band across ranks"' in page
+    assert f"<tr><td>{want[0][0]}</td><td>{want[0][1]}</td><td>{want[0][2]}</td></tr>" in page
