@@ -6,7 +6,8 @@ A step, as the group drives it:
 
     monitor.reset()                              step begin
     monitor.record(key, value, context)          for each key in monitor.KEYS, any number of times
-    monitor.cross_rank_sums() / receive_...()    only with several data-parallel ranks
+    monitor.cross_rank_sums() / receive_...()    only with several data-parallel ranks (and the
+    monitor.cross_rank_buffer(K) / receive_...()  K-sized buffer of the same all-reduce)
     records = monitor.collect(step)              step end: everything the step produced, in one go
     sink.write(records); sink.flush()
 
@@ -75,6 +76,18 @@ class Monitor(abc.ABC):
         return None
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
+        pass
+
+    # A flat float32 buffer in the same all-reduce whose size depends only on K (so every rank sends the
+    # same): values that need one slot per micro-step (mindmon.features.across_ranks).
+    def cross_rank_buffer_size(self, num_micro_steps: int) -> int:
+        return 0
+
+    def cross_rank_buffer(self, num_micro_steps: int):
+        """This rank's 1-D float32 Tensor of `cross_rank_buffer_size` values (None: send zeros)."""
+        return None
+
+    def receive_cross_rank_buffer(self, summed) -> None:
         pass
 
     # Model parallelism (mindmon.parallel): per-parameter values summed over the tensor- and context-parallel

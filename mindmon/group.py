@@ -37,6 +37,7 @@ class MonitorGroup:
         # Fixed at build time, so every rank sends the same payload even after a monitor is dropped.
         self._cross_rank = [(m, m.cross_rank_shapes()) for m in self.monitors if m.cross_rank_shapes()]
         self._built = list(self.monitors)   # the model-parallel sums' payload (shard_sums)
+        self._buffers: list = []   # (monitor, size) of this step's K-sized cross-rank buffers
         self._opened = False
         self._closed = False
         self._run = RunInfo(rank)
@@ -80,9 +81,10 @@ class MonitorGroup:
             if key in monitor.KEYS:
                 self._guard(monitor, monitor.record, key, value, context)
 
-    def cross_rank_sums(self) -> list:
+    def cross_rank_sums(self, num_micro_steps: int = 1) -> list:
         """Tensors the monitors want summed over the data-parallel group this step; the training step
-        packs them into its gradient all-reduce and hands the sums back to `receive_cross_rank_sums`."""
+        packs them into its gradient all-reduce and hands the sums back to `receive_cross_rank_sums`.
+        The fixed shapes come first, then one K-sized buffer per monitor that has one."""
         from mindspore import Tensor
 
         payload = []
@@ -91,6 +93,20 @@ class MonitorGroup:
             if values is None or [tuple(v.shape) for v in values] != shapes:
                 values = [Tensor(np.zeros(shape, np.float32)) for shape in shapes]
             payload += values
+        return payload + self._cross_rank_buffers(num_micro_steps)
+
+    def _cross_rank_buffers(self, num_micro_steps: int) -> list:
+        """Every built monitor's buffer (a dropped one sends zeros), so every rank's payload keeps its size."""
+        from mindspore import Tensor
+
+        self._buffers = [(m, m.cross_rank_buffer_size(num_micro_steps)) for m in self._built]
+        self._buffers = [(monitor, size) for monitor, size in self._buffers if size]
+        payload = []
+        for monitor, size in self._buffers:
+            values = self._guard(monitor, monitor.cross_rank_buffer, num_micro_steps) \
+                if monitor in self.monitors else None
+            payload.append(values if values is not None and tuple(values.shape) == (size,)
+                           else Tensor(np.zeros(size, np.float32)))
         return payload
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
@@ -99,6 +115,9 @@ class MonitorGroup:
             part, start = list(sums[start:start + len(shapes)]), start + len(shapes)
             if monitor in self.monitors:
                 self._guard(monitor, monitor.receive_cross_rank_sums, part)
+        for (monitor, _), summed in zip(self._buffers, sums[start:]):
+            if monitor in self.monitors:
+                self._guard(monitor, monitor.receive_cross_rank_buffer, summed)
 
     def shard_sums(self, num_micro_steps: int) -> list:
         """The monitors' arrays to be summed over a tensor- or context-parallel group (mindmon.parallel);

@@ -25,6 +25,10 @@ MOE_MAX_TOKENS = "moe_max_tokens"
 MOE_IDLE_EXPERTS = "moe_idle_experts"         # experts that got no token in the step
 MOE_SUMMARY_KINDS = (MOE_MAX_OVER_MEAN, MOE_CV, MOE_MIN_TOKENS, MOE_MAX_TOKENS, MOE_IDLE_EXPERTS)
 
+# Written by rank 0 with monitor.across_ranks: name `<kind>/<parameter or layer>/<statistic>`, a statistic
+# (min, mean, max, min_rank, max_rank) over the data-parallel ranks of one per-rank value.
+ACROSS_RANKS = "across_ranks"
+
 # Per-step values the trainer hands to callbacks at step end (MonitorCallback); micro_step is None.
 LOSS = "loss"                      # name "loss": the step's loss the trainer returns (mean of its micro-batch losses)
 GRAD_NORM = "grad_norm"            # name "global": global norm of the accumulated gradient, before clipping

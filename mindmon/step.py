@@ -182,7 +182,7 @@ class AccumulatingTrainStep:
         monitors want summed over the ranks, in one collective. One rank: nothing to reduce."""
         if not self.data_parallel.active:
             return accumulated, loss_sum / self.num_micro_steps
-        extra = group.cross_rank_sums() if group is not None else []
+        extra = group.cross_rank_sums(self.num_micro_steps) if group is not None else []
         reduced = self.data_parallel.sum(list(accumulated) + [loss_sum] + extra)
         count = len(accumulated)
         if group is not None:

@@ -317,6 +317,7 @@ def write_report(run_dir: str, output: str, progress=sys.stderr, ranks: Optional
     the cross-rank view (mindmon.analysis.across_ranks); one section per rank follows for `ranks`
     (default: every rank of a run of at most RANK_SECTIONS ranks, none of a larger one)."""
     from mindmon.analysis.across_ranks import across_ranks_section
+    from mindmon.analysis.live_summaries import live_summaries_section
 
     with Engine(run_dir, memory_limit, source=source) as engine:
         every = engine.ranks()
@@ -325,6 +326,7 @@ def write_report(run_dir: str, output: str, progress=sys.stderr, ranks: Optional
             raise ValueError(f"--rank: got {missing}; allowed: the run's ranks, {every[0]}..{every[-1]}")
         chosen = list(ranks) if ranks else (every if len(every) <= RANK_SECTIONS else [])
         sections = [across_ranks_section(engine, progress, _png, _figure)] if len(every) > 1 else []
+        sections += [s for s in [live_summaries_section(engine, progress, _png, _figure)] if s is not None]
         sections += [rank_section(engine, rank, progress) for rank in chosen]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mindmon report</title>"
             f"<style>{_STYLE}</style></head><body><h1>mindmon report</h1>"

@@ -6,7 +6,7 @@ written in this order too). Adding one: docs/architecture.md, "Adding a capabili
 from typing import List
 
 from mindmon.config import MindmonConfig, parse_config
-from mindmon.features import (alerts, max_logits, moe_tokens, monitor_config, profiler, tensor_stats,
+from mindmon.features import (across_ranks, alerts, max_logits, moe_tokens, monitor_config, profiler, tensor_stats,
                               train_state)
 
 FEATURES = (
@@ -17,6 +17,7 @@ FEATURES = (
     alerts.FEATURE,
     monitor_config.FEATURE,
     profiler.FEATURE,
+    across_ranks.FEATURE,   # after train_state and moe_monitor: it reads their sections and monitor
 )
 
 

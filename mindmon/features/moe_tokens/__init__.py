@@ -13,8 +13,10 @@ def build(build, section: MoEMonitorConfig) -> None:
                               "given; pass model= so its MoE layers can be found")
         from mindmon.features.moe_tokens.monitor import MoETokensMonitor
 
-        build.add_monitor(MoETokensMonitor(section, build.model, build.rank, build.on_host, build.logger,
-                                           build.cross_rank, build.layout))
+        monitor = MoETokensMonitor(section, build.model, build.rank, build.on_host, build.logger,
+                                   build.cross_rank, build.layout)
+        build.add_monitor(monitor)
+        build.parts["moe_monitor"] = monitor   # monitor.across_ranks reads each rank's step tokens from it
     if build.own_outputs:
         from mindmon.features.moe_tokens.sink import MegatronTokensPerExpertSink
 

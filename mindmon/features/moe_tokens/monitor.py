@@ -134,14 +134,21 @@ class MoETokensMonitor(Monitor):
         """This rank's step totals per layer, to be summed over the ranks with the gradients."""
         from mindspore import Tensor
 
-        if not self.cross_rank or len(self._snapshots) < 2:
+        step_tokens = self.step_tokens() if self.cross_rank else None
+        if step_tokens is None:
             return None
-        step_tokens = self._snapshots[-1] - self._snapshots[0]   # (layers, experts), numpy or on device
         if isinstance(step_tokens, np.ndarray):
             return [Tensor(layer.astype(np.float32)) for layer in step_tokens]
         from mindspore import ops
 
         return list(ops.unstack(step_tokens))  # stays on the device until the all-reduce
+
+    def step_tokens(self):
+        """This rank's tokens per expert of the step so far, (layers, experts), numpy or still on the
+        device; None before the first micro-step."""
+        if len(self._snapshots) < 2:
+            return None
+        return self._snapshots[-1] - self._snapshots[0]
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
         self._all_ranks = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
