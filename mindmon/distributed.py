@@ -58,6 +58,16 @@ class DataParallel:
     def active(self) -> bool:
         return self.size > 1
 
+    def world_ranks(self) -> List[int]:
+        """The world ranks of the group's members, in group-rank order."""
+        if not self.active:
+            return [self.rank if self.group is None else 0]
+        from mindspore.communication import get_world_rank_from_group_rank
+
+        if self.group is None:
+            return list(range(self.size))
+        return [int(get_world_rank_from_group_rank(self.group, r)) for r in range(self.size)]
+
     def _kwargs(self) -> dict:
         return {} if self.group is None else {"group": self.group}
 
