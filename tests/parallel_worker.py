@@ -4,7 +4,8 @@ under a mindmon layout and leaves, per rank, mindmon's outputs and its final par
     parallel_worker.py tp OUT     TP=2 x DP=2 (Megatron's rank order: ranks 0, 1 are the tp group of replica 0)
     parallel_worker.py pp OUT     PP=2 x DP=2 (ranks 0, 1 run stage 0; 2, 3 stage 1)
 
-After `tp`, an expert-parallel router (EP=2 within DP=4) writes to OUT-ep.
+After `tp`, an expert-parallel router (EP=2 within DP=4) writes to OUT-ep. In both, msprobe's TrainerMon
+trains on the same layout into OUT-msprobe (tests/parallel_trainer_mon.py: virtual-pipeline chunks under pp).
 
 Then it checks, on the same groups, that layouts which do not add up are refused, and prints each refusal.
 """
@@ -16,7 +17,7 @@ import parallel_reference as ref
 
 STEPS, K, ROWS, LR = 2, 2, 2, 0.5   # per step: dp x K micro-batches of ROWS sequences
 MAX_NORM = {"tp": 3.0, "pp": 0.82}   # between the steps' global norms: one step is clipped, one is not
-SEED = {"tp": 11, "pp": 13}
+SEED = {"tp": 11, "pp": 13, "vpp": 17}
 
 
 def data(mode: str):
@@ -86,6 +87,20 @@ def train_experts(out: str) -> None:
     group.close()
 
 
+def trainer_mon(mode: str, out: str) -> None:
+    """msprobe's TrainerMon on the same layout: virtual-pipeline chunks under pp, tp_group dedup under tp."""
+    import parallel_trainer_mon
+
+    if mode == "tp":
+        parallel_trainer_mon.run("tp", out, data("tp"), K, ROWS, LR)
+    else:
+        parallel_trainer_mon.run("vpp", out, vpp_data(), K, ROWS, LR)
+
+
+def vpp_data():
+    return ref.batches(SEED["vpp"], STEPS, 2 * K * ROWS, ref.vpp_width(0), ref.vpp_width(ref.VPP_LAYERS))
+
+
 def layout_rank() -> int:
     from mindspore.communication import get_rank
 
@@ -131,6 +146,7 @@ def main() -> int:
     init("mccl")
     mode, out = sys.argv[1], sys.argv[2]
     train(mode, out)
+    trainer_mon(mode, out + "-msprobe")
     refusals(mode)
     if mode == "tp":
         train_experts(out + "-ep")
