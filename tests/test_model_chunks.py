@@ -1,0 +1,79 @@
+"""The virtual-pipeline name space (mindmon/chunks.py) in one process: msprobe's `<chunk>:` names, targets
+with and without the prefix, the CSV's vpp_stage column, and the clean errors of set_monitor/process_group.
+The chunks trained on real msrun workers: tests/test_model_parallel.py."""
+import json
+
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor, nn
+
+from mindmon.chunks import ModelChunks, as_model, names_match, split_chunk
+from mindmon.config import ConfigError
+from mindmon.features.tensor_stats.targets import select_parameters, squash_name
+from mindmon.formats.msprobe_csv import format_row, format_text, header, read_csv
+from mindmon.msprobe import TrainerMon
+from mindmon.records import TensorStatsRecord
+
+
+class Layer(nn.Cell):
+    def __init__(self, width):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones((width, width), np.float32)))
+        self.bias = Parameter(Tensor(np.zeros(width, np.float32)))
+
+
+class Chunk(nn.Cell):
+    def __init__(self, chunk):
+        super().__init__()
+        self.layers = nn.CellList([Layer(2 + chunk)])
+        for parameter in self.trainable_params():
+            parameter.name = f"chunk{chunk}.{parameter.name}"
+
+
+def test_names_and_matching():
+    assert split_chunk("1:layers.0.weight") == (1, "layers.0.weight") and split_chunk("fc1") == (0, "fc1")
+    assert names_match("1:layers.0", "layers.0") and names_match("1:layers.0", "1:layers.0")
+    assert not names_match("1:layers.0", "0:layers.0")
+    assert names_match("fc1", "0:fc1") and not names_match("fc1", "1:fc1")   # a single model is chunk 0
+    assert names_match("0:layers.0.weight", "layers.0", prefix_of=True)
+    assert not names_match("0:layers.01.weight", "layers.0", prefix_of=True)
+    assert squash_name("1:model.layers.0.w") == "1:layers.0.w"
+
+
+def test_chunks_as_one_model_and_targets_with_or_without_prefix():
+    chunks = [Chunk(0), Chunk(1)]
+    model = as_model(chunks)
+    assert isinstance(model, ModelChunks) and as_model([chunks[0]]) is chunks[0]
+    assert [n for n, _ in model.cells_and_names()] == ["0:", "0:layers", "0:layers.0", "1:", "1:layers", "1:layers.0"]
+    parameters = chunks[0].trainable_params() + chunks[1].trainable_params()
+    picked = select_parameters(model, parameters, ("0:layers.0", "layers.0.weight"))
+    assert picked == [(0, "0:layers.0.weight"), (1, "0:layers.0.bias"), (2, "1:layers.0.weight")]
+    with pytest.raises(ConfigError, match=r"^targets: '2:layers.0' selects no parameter"):
+        select_parameters(model, parameters, ("2:layers.0",))
+    # msprobe's prefixed target on a single model names chunk 0
+    assert select_parameters(chunks[0], chunks[0].trainable_params(), ("0:layers.0.bias",)) == [(1, "layers.0.bias")]
+
+
+def test_csv_vpp_stage_is_the_chunk(tmp_path):
+    records = [TensorStatsRecord(1, None, 0, "grad_reduced", name, [2.0], ops=("norm",), shape=(2, 2), dtype="Float32")
+               for name in ("1:layers.0.weight", "fc1")]
+    columns = header(("norm",), micro_step=False)
+    assert [format_row(r, columns, 6)[:3] for r in records] == [["1", "layers.0.weight", "0"], ["0", "fc1", "0"]]
+    text = format_text(records, columns, 6)
+    assert text.splitlines()[0].startswith("1,layers.0.weight,0,2.0,")
+    path = tmp_path / "grad_reduced_0-0.csv"
+    path.write_text(",".join(columns) + "\r\n" + text)
+    assert [r.name for r in read_csv(str(path))] == ["1:layers.0.weight", "fc1"]
+
+
+def test_bad_model_list_and_process_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"wg_distribution": True}))
+    with pytest.raises(ConfigError) as error:
+        TrainerMon(str(config), process_group=3)
+    assert str(error.value) == ("process_group: got 3; allowed: the name of the pipeline-parallel communication "
+                                "group (created with mindspore.communication.create_group), or None for one stage")
+    monitor = TrainerMon(str(config), params_have_main_grad=False)
+    with pytest.raises(ConfigError, match=r"^model: got an empty list; allowed: a model or the list of its"):
+        monitor.set_monitor([], 1, nn.SGD(Chunk(0).trainable_params(), 0.1))
