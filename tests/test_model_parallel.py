@@ -391,3 +391,42 @@ def test_tp_group_dedup_of_grad_reduced_rows(tp_run):
             want[(0, _model_name(name), 0, None)] = {"norm": float(np.linalg.norm(shard))}
         assert len(want) == (12 if coordinates["tp"] == 0 else 6)
         _close_rows(got, want)
+
+
+def _merged(run, tmp_path):
+    import csv
+
+    from mindmon.analysis.merge import merge
+
+    path, _ = merge(str(run), str(tmp_path / "merged.csv"), progress=None)
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_merge_of_the_tp_run_shows_full_parameters(tp_run, tmp_path):
+    """Over TP=2 x DP=2: each parameter's norm rows pool the replicas' first tensor-parallel ranks (0 and 2),
+    and every one of them is the FULL parameter's value; no pp/ep columns (every rank is stage 0, ep 0)."""
+    run, history = tp_run[0], tp_run[-1]
+    rows = _merged(run, tmp_path)
+    assert "pp" not in rows[0]
+    device = {(int(r["step"]), r["name"]): r for r in rows if r["kind"] == "device_norm"}
+    assert len(device) == 2 * len(ref.tp_parameters())
+    for step, h in enumerate(history, start=1):
+        for name in ref.tp_parameters():
+            row = device[(step, _model_name(name))]
+            assert row["ranks"] == "2"
+            _close([float(row["min"]), float(row["max"])], [h["device"][name]] * 2)
+
+
+def test_merge_of_the_pp_run_keeps_the_stages_apart(pp_run, tmp_path):
+    """Both stages name their parameters `weight` and `bias`: the merged rows key on pp, so each row is one
+    stage's parameter (pooled over its two replicas), never a mix of the two stages."""
+    run, history = pp_run[0], pp_run[-1]
+    rows = _merged(run, tmp_path)
+    device = {(int(r["step"]), r["name"], int(r["pp"])): r for r in rows if r["kind"] == "device_norm"}
+    assert sorted(device) == sorted((s, part, stage) for s in (1, 2) for part in ("weight", "bias") for stage in (0, 1))
+    for (step, part, stage), row in device.items():
+        assert row["ranks"] == "2" and row["ep"] == "0"
+        _close([float(row["min"]), float(row["max"])], [history[step - 1]["device"][f"stage{stage}.{part}"]] * 2)
+    losses = [r for r in rows if r["kind"] == "loss"]
+    assert sorted((int(r["step"]), int(r["pp"])) for r in losses) == [(1, 0), (1, 1), (2, 0), (2, 1)]
