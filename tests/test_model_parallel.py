@@ -430,3 +430,31 @@ def test_merge_of_the_pp_run_keeps_the_stages_apart(pp_run, tmp_path):
         _close([float(row["min"]), float(row["max"])], [history[step - 1]["device"][f"stage{stage}.{part}"]] * 2)
     losses = [r for r in rows if r["kind"] == "loss"]
     assert sorted((int(r["step"]), int(r["pp"])) for r in losses) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_monitor_config_weight_norm_of_the_whole_model(tp_run, pp_run):
+    """weight_norm (monitor_config) after each step, on every rank: the norm of every parameter of the
+    unsharded model (every shard of every stage once), as one device would compute it."""
+    for run in (tp_run, pp_run):
+        records, history = run[1], run[-1]
+        for rank in range(RANKS):
+            got = _values(records[rank], "weight_norm")
+            want = [np.sqrt(sum(np.sum(v ** 2) for v in h["params"].values())) for h in history]
+            _close([got[(s, None, "global")] for s in (1, 2)], want)
+
+
+def test_monitor_config_adam_moment_norms_of_full_parameters(tp_run):
+    """adam_m_norm / adam_v_norm after one Adam step from zero moments: (1 - beta1) |g| and (1 - beta2) |g^2|
+    of the FULL dp-mean gradient g, written by the first tensor-parallel rank of each replica only."""
+    run, history = tp_run[0], tp_run[-1]
+    gradient = history[0]["mean_grad"]
+    for rank in range(RANKS):
+        records = read_jsonl(run.parent / "run-adam" / f"rank_{rank}" / "metrics.jsonl")
+        m, v = _values(records, "adam_m_norm"), _values(records, "adam_v_norm")
+        if _coordinates(rank, 2, 1)["tp"] == 1:
+            assert not m and not v
+            continue
+        assert len(m) == len(v) == len(gradient)
+        for name, g in gradient.items():
+            _close(m[(1, None, name)], 0.1 * np.linalg.norm(g))
+            _close(v[(1, None, name)], 0.001 * np.linalg.norm(g ** 2))
