@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 
 from mindmon.chunks import ModelChunks, as_model, names_match, split_chunk
 from mindmon.config import ConfigError
@@ -77,3 +77,50 @@ def test_bad_model_list_and_process_group(tmp_path, monkeypatch):
     monitor = TrainerMon(str(config), params_have_main_grad=False)
     with pytest.raises(ConfigError, match=r"^model: got an empty list; allowed: a model or the list of its"):
         monitor.set_monitor([], 1, nn.SGD(Chunk(0).trainable_params(), 0.1))
+
+
+class LinearChunk(nn.Cell):
+    def __init__(self, chunk, weight):
+        super().__init__()
+        self.layers = nn.CellList([Layer(weight.shape[0])])
+        self.layers[0].weight.set_data(Tensor(weight.astype(np.float32)))
+        for parameter in self.trainable_params():
+            parameter.name = f"chunk{chunk}.{parameter.name}"
+
+    def construct(self, x):
+        return ops.matmul(x, self.layers[0].weight) + self.layers[0].bias
+
+
+def test_trainer_mon_over_two_chunks_in_one_process(tmp_path, monkeypatch):
+    """set_monitor([chunk0, chunk1]) in one process: grad_reduced rows under vpp_stage 0 and 1 with the
+    chunks' own names, the norms of numpy's gradients of y = (x W0 + b0) W1 + b1, L = mean(y^2)."""
+    import csv
+    import glob
+
+    import mindspore as ms
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"targets": {"layers.0.weight": {}}, "wg_distribution": True, "ops": ["norm"]}))
+    rng = np.random.default_rng(0)
+    w0, w1, x = rng.normal(size=(3, 3)), rng.normal(size=(3, 3)), rng.normal(size=(4, 3))
+    chunks = [LinearChunk(0, w0), LinearChunk(1, w1)]
+    optimizer = nn.SGD(chunks[0].trainable_params() + chunks[1].trainable_params(), 0.1)
+    monitor = TrainerMon(str(config), params_have_main_grad=False)
+    monitor.set_monitor(chunks, 1, optimizer)
+
+    def loss(inputs):
+        return (chunks[1](chunks[0](inputs)) ** 2).mean()
+
+    _, grads = ms.value_and_grad(loss, None, optimizer.parameters)(Tensor(x.astype(np.float32)))
+    optimizer(grads)
+    monitor.close()
+    h = x @ w0
+    dy = 2 * (h @ w1) / (h @ w1).size
+    want = {"0": np.linalg.norm(x.T @ (dy @ w1.T)), "1": np.linalg.norm(h.T @ dy)}
+    (path,) = glob.glob(str(tmp_path / "out" / "*" / "grad_reduced_0-0.csv"))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["vpp_stage"], r["name"]) for r in rows] == [("0", "layers.0.weight"), ("1", "layers.0.weight")]
+    for row in rows:
+        np.testing.assert_allclose(float(row["norm"]), want[row["vpp_stage"]], rtol=1e-5, atol=2e-6)
