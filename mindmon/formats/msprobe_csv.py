@@ -127,8 +127,7 @@ def format_text(records: Sequence[TensorStatsRecord], columns: Sequence[str], nd
             lines.append(_csv_line(format_row(record, columns, ndigits, significant)))
             continue
         micro_text = "" if not micro else "," if record.micro_step is None else f",{record.micro_step}"
-        chunk, name = split_chunk(record.name)
-        lines.append(f"{chunk},{_csv_field(name)},{record.step - 1}{micro_text},{next(numbers)},"
+        lines.append(f"{_stage_and_name(record.name)},{record.step - 1}{micro_text},{next(numbers)},"
                      f"{_csv_field(str(tuple(record.shape)))},{_csv_field(record.dtype)}\r\n")
     return "".join(lines)
 
@@ -192,6 +191,20 @@ def _csv_field(text: str) -> str:
 
 _FIELDS: Dict[str, str] = {}
 _FIELDS_KEPT = 1 << 16
+
+
+def _stage_and_name(name: str) -> str:
+    """The `vpp_stage,name` fields of a record's name, remembered like `_csv_field`."""
+    fields = _STAGE_AND_NAME.get(name)
+    if fields is None:
+        chunk, bare = split_chunk(name)
+        fields = f"{chunk},{_csv_field(bare)}"
+        if len(_STAGE_AND_NAME) < _FIELDS_KEPT:
+            _STAGE_AND_NAME[name] = fields
+    return fields
+
+
+_STAGE_AND_NAME: Dict[str, str] = {}
 
 
 def _csv_line(row: Sequence[str]) -> str:
