@@ -458,3 +458,25 @@ def test_monitor_config_adam_moment_norms_of_full_parameters(tp_run):
         for name, g in gradient.items():
             _close(m[(1, None, name)], 0.1 * np.linalg.norm(g))
             _close(v[(1, None, name)], 0.001 * np.linalg.norm(g ** 2))
+
+
+def test_dask_merge_of_the_pp_run_equals_the_duckdb_merge(pp_run, tmp_path):
+    """The PP run compacted to Parquet (its coordinates read from the JSONL): the Dask merge on a LocalCluster
+    of two worker processes writes the DuckDB merge's table, pp and ep columns included, byte for byte."""
+    import filecmp
+    import shutil
+
+    import distributed
+
+    from mindmon.analysis.compact import compact_run
+    from mindmon.analysis.dask_merge import merge_on_dask
+    from mindmon.analysis.merge import merge
+
+    run = tmp_path / "run"
+    shutil.copytree(pp_run[0], run)
+    compact_run(str(run), progress=None)
+    want, _ = merge(str(run), str(tmp_path / "duckdb.csv"), source="columnar", progress=None)
+    assert open(want).readline().strip().endswith(",pp,ep")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        got, _ = merge_on_dask(str(run), str(tmp_path / "dask.csv"), scheduler=cluster.scheduler_address)
+    assert filecmp.cmp(want, got, shallow=False)
