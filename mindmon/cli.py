@@ -129,7 +129,7 @@ def _analysis(command: str, run):
 
 
 def _merge(args) -> int:
-    from mindmon.analysis.merge import merge
+    from mindmon.analysis.merge import OUTLIER_RANK, merge
 
     if args.engine == "dask":
         from mindmon.analysis.dask_merge import merge_on_dask
@@ -143,7 +143,7 @@ def _merge(args) -> int:
     path, flagged = result
     print(f"mindmon merge: wrote {path}; {len(flagged)} row(s) with a rank that stands out")
     for row in flagged[:10]:
-        print(f"  step {row[2]} micro_step {row[3] if row[3] != '' else '-'} {row[0]} {row[1]}: rank {row[-1]} "
+        print(f"  step {row[2]} micro_step {row[3] if row[3] != '' else '-'} {row[0]} {row[1]}: rank {row[OUTLIER_RANK]} "
               f"(min {row[5]:.6g}, max {row[6]:.6g})")
     return 0
 

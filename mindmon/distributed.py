@@ -36,6 +36,12 @@ def _query(group: Optional[str]):
                           f"mindspore.communication.create_group before the Trainer is built") from None
 
 
+def _world_rank() -> int:
+    from mindspore.communication import GlobalComm, get_rank
+
+    return int(get_rank()) if GlobalComm.INITED else 0
+
+
 class DataParallel:
     """A communication group (None = the world) with `size`, `rank`, `sum(tensors)` and `max(array)`.
 
@@ -57,6 +63,16 @@ class DataParallel:
     @property
     def active(self) -> bool:
         return self.size > 1
+
+    def world_ranks(self) -> List[int]:
+        """The world ranks of the group's members, in group-rank order (this process alone: [its rank])."""
+        if self.group is None:
+            return list(range(self.size))
+        if not self.active:
+            return [_world_rank()]
+        from mindspore.communication import get_world_rank_from_group_rank
+
+        return [int(get_world_rank_from_group_rank(self.group, r)) for r in range(self.size)]
 
     def _kwargs(self) -> dict:
         return {} if self.group is None else {"group": self.group}

@@ -177,3 +177,59 @@ class MoENet(nn.Cell):
 
     def construct(self, x):
         return self.decoder.layers[0].mlp(x)
+
+
+class _VirtualLayer(nn.Cell):
+    """Layer v of the virtual pipeline: x W + b, then tanh but on the last layer."""
+
+    def __init__(self, weight, bias, last: bool):
+        super().__init__()
+        self.weight = Parameter(Tensor(weight.astype(np.float32)))
+        self.bias = Parameter(Tensor(bias.astype(np.float32)))
+        self.last = last
+
+    def construct(self, x):
+        y = mint.matmul(x, self.weight) + self.bias
+        return y if self.last else ops.tanh(y)
+
+
+class VirtualChunk(nn.Cell):
+    """Model chunk c of pipeline stage s (Megatron's VPP): it holds layer v = c x PP + s, as `layers.0`, the
+    same names in every chunk (a chunk is the model's class, as in Megatron)."""
+
+    def __init__(self, full: dict, chunk: int, stage: int):
+        super().__init__()
+        layer = chunk * ref.PP + stage
+        self.layers = nn.CellList([_VirtualLayer(full[f"layer{layer}.weight"], full[f"layer{layer}.bias"],
+                                                 layer == ref.VPP_LAYERS - 1)])
+        for parameter in self.trainable_params():   # unique in the optimizer; the model's names stay layers.0.*
+            parameter.name = f"chunk{chunk}.{parameter.name}"
+
+    def construct(self, x):
+        return self.layers[0](x)
+
+
+class VirtualPipeline(nn.Cell):
+    """Runs a micro-batch through the virtual stages in order (chunk 0 of stage 0, of stage 1, chunk 1 of
+    stage 0, of stage 1): the stage owning a layer runs its chunk, the other adds zeros, and one exchange
+    per layer hands the activation to every stage (its backward hands the gradient back). The loss is the
+    last stage's; the other stage's is 0 (so its backward starts from the exchanged gradients only)."""
+
+    def __init__(self, chunks, stage: int, group):
+        super().__init__()
+        self.chunks = nn.CellList(chunks)
+        self.stage = stage
+        self.exchanges = nn.CellList([PipelineExchange(group) for _ in range(ref.VPP_LAYERS)])
+
+    def construct(self, x, target):
+        for layer in range(ref.VPP_LAYERS):
+            chunk, owner = divmod(layer, ref.PP)
+            if owner == self.stage:
+                x = self.chunks[chunk](x)
+            else:   # depends on the input and this stage's parameters: every exchange's backward runs on both stages
+                width = ref.vpp_width(layer + 1)
+                x = ops.zeros((x.shape[0], x.shape[1], width), ms.float32) + 0.0 * x.sum() \
+                    + 0.0 * self.chunks[0].layers[0].bias.sum()
+            x = self.exchanges[layer](x)
+        loss = ((x - target) ** 2).mean()
+        return loss if self.stage == ref.PP - 1 else loss * 0.0

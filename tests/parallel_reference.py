@@ -103,12 +103,13 @@ def train(forward, params: dict, steps, dp: int, k: int, lr: float, max_norm: fl
     """Data parallel over `dp` replicas, K micro-batches each, SGD with global-norm clipping, as
     AccumulatingTrainStep does. Returns per step a dict: losses[d][k], accumulated-norm history
     norms[d][k][name] (|G_k| of replica d), micro[d][k][name], device[name] (of the dp mean), grad_norm,
-    device_loss, max_logits (per head, max over replicas and micro-batches), and the parameters after."""
+    device_loss, max_logits (per head, max over replicas and micro-batches), mean_grad[name] (the dp mean of
+    the accumulated gradients), accumulated[d][name] (replica d's mean over its micro-batches), and the parameters before (params_before) and after (params)."""
     p = {n: v.copy() for n, v in params.items()}
     history = []
     for x, target in steps:
         rows = x.shape[0] // (dp * k)
-        out = {"losses": [], "norms": [], "micro": [], "max_logits": None}
+        out = {"losses": [], "norms": [], "micro": [], "max_logits": None, "accumulated": []}
         mean = {n: np.zeros_like(v) for n, v in p.items()}
         for d in range(dp):
             accumulated = {n: np.zeros_like(v) for n, v in p.items()}
@@ -127,10 +128,13 @@ def train(forward, params: dict, steps, dp: int, k: int, lr: float, max_norm: fl
                 norms.append({n: float(np.linalg.norm(g)) for n, g in accumulated.items()})
             for n in p:
                 mean[n] += accumulated[n] / dp
+            out["accumulated"].append(accumulated)
             out["losses"].append(losses)
             out["norms"].append(norms)
             out["micro"].append(micros)
         out["device"] = {n: float(np.linalg.norm(g)) for n, g in mean.items()}
+        out["mean_grad"] = {n: g.copy() for n, g in mean.items()}
+        out["params_before"] = {n: v.copy() for n, v in p.items()}
         grad_norm = float(np.sqrt(sum(np.sum(g ** 2) for g in mean.values())))
         out["grad_norm"] = grad_norm
         out["device_loss"] = float(np.mean(out["losses"]))
@@ -163,3 +167,36 @@ def router_gradient(weight: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """d mean((x W)^2) / d W."""
     flat = tokens.reshape(-1, H)
     return 2 * flat.T @ (flat @ weight) / (flat.shape[0] * EXPERTS)
+
+
+# The virtual pipeline: PP stages x 2 chunks = 4 layers; layer v lives on stage v % PP as its chunk v // PP.
+PP, VPP_CHUNKS = 2, 2
+VPP_LAYERS = PP * VPP_CHUNKS
+VPP_WIDTHS = (6, 5, 4, 5, 3)   # layer v maps width v to width v + 1
+
+
+def vpp_width(boundary: int) -> int:
+    return VPP_WIDTHS[boundary]
+
+
+def vpp_parameters(seed: int = 7) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for v in range(VPP_LAYERS):
+        out[f"layer{v}.weight"] = 0.6 * rng.standard_normal((VPP_WIDTHS[v], VPP_WIDTHS[v + 1]))
+        out[f"layer{v}.bias"] = 0.1 * rng.standard_normal(VPP_WIDTHS[v + 1])
+    return out
+
+
+def vpp_activations(p: dict, x: np.ndarray) -> list:
+    """The output of every layer (tanh but the last)."""
+    outs = []
+    for v in range(VPP_LAYERS):
+        x = x @ p[f"layer{v}.weight"] + p[f"layer{v}.bias"]
+        x = x if v == VPP_LAYERS - 1 else np.tanh(x)
+        outs.append(x)
+    return outs
+
+
+def vpp_forward(p: dict, x: np.ndarray, target: np.ndarray):
+    return float(np.mean((vpp_activations(p, x)[-1] - target) ** 2)), None

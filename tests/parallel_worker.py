@@ -4,7 +4,9 @@ under a mindmon layout and leaves, per rank, mindmon's outputs and its final par
     parallel_worker.py tp OUT     TP=2 x DP=2 (Megatron's rank order: ranks 0, 1 are the tp group of replica 0)
     parallel_worker.py pp OUT     PP=2 x DP=2 (ranks 0, 1 run stage 0; 2, 3 stage 1)
 
-After `tp`, an expert-parallel router (EP=2 within DP=4) writes to OUT-ep.
+After `tp`, an expert-parallel router (EP=2 within DP=4) writes to OUT-ep, and one Adam step of the
+block (monitor_config's moment norms) to OUT-adam. In both, msprobe's TrainerMon
+trains on the same layout into OUT-msprobe (tests/parallel_trainer_mon.py: virtual-pipeline chunks under pp).
 
 Then it checks, on the same groups, that layouts which do not add up are refused, and prints each refusal.
 """
@@ -16,7 +18,7 @@ import parallel_reference as ref
 
 STEPS, K, ROWS, LR = 2, 2, 2, 0.5   # per step: dp x K micro-batches of ROWS sequences
 MAX_NORM = {"tp": 3.0, "pp": 0.82}   # between the steps' global norms: one step is clipped, one is not
-SEED = {"tp": 11, "pp": 13}
+SEED = {"tp": 11, "pp": 13, "vpp": 17}
 
 
 def data(mode: str):
@@ -50,6 +52,7 @@ def train(mode: str, out: str) -> None:
     config = parse_sections({
         "monitor": {"output_dir": out, "train_state": {"local_norm": True, "local_loss": True,
                                                        "device_norm": True, "device_loss": True}},
+        "monitor_config": {"monitor_on": True, "weight_state_format": "log"},
         "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}] if mode == "tp" else []})
     group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer), layout=layout)
     train_step = AccumulatingTrainStep(net, optimizer, K, group, max_norm=MAX_NORM[mode], layout=layout)
@@ -62,6 +65,29 @@ def train(mode: str, out: str) -> None:
         group.flush(step, loss=loss, grad_norm=grad_norm)
     group.close()
     np.savez(f"{out}/params_rank{layout_rank()}.npz", **{p.name: p.asnumpy() for p in net.trainable_params()})
+
+
+def train_adam(out: str) -> None:
+    """One step of Adam on the TP block: monitor_config's Adam moment norms of the full parameters."""
+    from mindspore import Tensor, nn
+
+    from mindmon import AccumulatingTrainStep, build_group, parameter_names, parse_sections, split_batch
+
+    layout, net = build("tp")
+    net.set_train(True)
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    config = parse_sections({"monitor": {"output_dir": out},
+                             "monitor_config": {"monitor_on": True, "optimizer_state_format": "log"}})
+    group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer), optimizer=optimizer,
+                        layout=layout)
+    train_step = AccumulatingTrainStep(net, optimizer, K, group, max_norm=0.0, layout=layout)
+    group.setup(max_steps=1)
+    x, target = data("tp")[0]
+    rows = slice(layout.index("dp") * K * ROWS, (layout.index("dp") + 1) * K * ROWS)
+    loss, grad_norm = train_step(split_batch((Tensor(x[rows].astype(np.float32)),
+                                              Tensor(target[rows].astype(np.float32))), K))
+    group.flush(1, loss=loss, grad_norm=grad_norm)
+    group.close()
 
 
 def train_experts(out: str) -> None:
@@ -84,6 +110,20 @@ def train_experts(out: str) -> None:
         loss, grad_norm = train_step(split_batch((tokens,), K))
         group.flush(step, loss=loss, grad_norm=grad_norm)
     group.close()
+
+
+def trainer_mon(mode: str, out: str) -> None:
+    """msprobe's TrainerMon on the same layout: virtual-pipeline chunks under pp, tp_group dedup under tp."""
+    import parallel_trainer_mon
+
+    if mode == "tp":
+        parallel_trainer_mon.run("tp", out, data("tp"), K, ROWS, LR)
+    else:
+        parallel_trainer_mon.run("vpp", out, vpp_data(), K, ROWS, LR)
+
+
+def vpp_data():
+    return ref.batches(SEED["vpp"], STEPS, 2 * K * ROWS, ref.vpp_width(0), ref.vpp_width(ref.VPP_LAYERS))
 
 
 def layout_rank() -> int:
@@ -131,9 +171,11 @@ def main() -> int:
     init("mccl")
     mode, out = sys.argv[1], sys.argv[2]
     train(mode, out)
+    trainer_mon(mode, out + "-msprobe")
     refusals(mode)
     if mode == "tp":
         train_experts(out + "-ep")
+        train_adam(out + "-adam")
     print(f"parallel_worker rank {layout_rank()}: done", flush=True)
     return 0
 

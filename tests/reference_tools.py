@@ -95,9 +95,11 @@ def phase(entry: dict) -> int:
 
 
 def order_key(entry: dict) -> tuple:
+    """msprobe's order: in the forward phase the virtual and pipeline stages ascending, else descending."""
     micro = entry.get("micro_step")
-    return (entry["step"], float("inf") if micro is None else micro, phase(entry), entry.get("pp_stage", 0),
-            entry.get("vpp_stage", 0), entry.get("call_id", 0), entry.get("rank", 0))
+    sign = 1 if phase(entry) == 0 else -1
+    return (entry["step"], float("inf") if micro is None else micro, phase(entry), sign * entry.get("vpp_stage", 0),
+            sign * entry.get("pp_stage", 0), entry.get("call_id", 0), entry.get("rank", 0))
 
 
 def read_dumps(folder: str) -> List[Tuple[str, dict]]:

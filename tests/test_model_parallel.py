@@ -4,6 +4,7 @@ ranks' files checked against a single-process numpy float64 computation of the U
 (tests/parallel_reference.py, gradients by central differences). One launch per layout.
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -223,3 +224,259 @@ def test_ep_replicated_router_counted_once_in_the_global_norm(tp_run):
                 mean += ref.router_gradient(weight, tokens[k * worker.ROWS:(k + 1) * worker.ROWS]) / (worker.K * RANKS)
         for rank in range(RANKS):
             _close(_values(records[rank], "grad_norm")[(step, None, "global")], np.linalg.norm(mean))
+
+
+# --- msprobe's TrainerMon on the same launches (tests/parallel_trainer_mon.py) ---------------------------
+
+NDIGITS_ATOL = 2e-6   # the CSV rounds to 6 decimal places
+
+
+def _msprobe_rows(run, rank, prefix):
+    """{(vpp_stage, name, step, micro_step or None): {op: value}} of rank's CSV files `prefix_*.csv`, read
+    with the csv module (not mindmon's reader); None when the rank wrote none."""
+    import csv
+
+    folders = list((run.parent / "run-msprobe").glob(f"*-rank{rank}-*"))
+    assert len(folders) == 1, folders
+    files = sorted(path for path in folders[0].glob(f"{prefix}_*.csv")
+                   if re.fullmatch(rf"{prefix}_\d+-\d+\.csv", path.name))   # not actv_grad_* for actv
+    if not files:
+        return None
+    rows = {}
+    for path in files:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                micro = int(row["micro_step"]) if row.get("micro_step") else None
+                key = (int(row["vpp_stage"]), row["name"], int(row["step"]), micro)
+                assert key not in rows, key
+                rows[key] = {op: float(row[op]) for op in ("norm", "mean", "max") if op in row}
+    return rows
+
+
+def _statistics(array):
+    return {"norm": float(np.linalg.norm(array)), "mean": float(array.mean()), "max": float(array.max())}
+
+
+def _close_rows(got, want):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for op, value in want[key].items():
+            np.testing.assert_allclose(got[key][op], value, rtol=1e-5, atol=NDIGITS_ATOL, err_msg=str((key, op)))
+
+
+@pytest.fixture(scope="module")
+def vpp_history():
+    return ref.train(ref.vpp_forward, ref.vpp_parameters(), worker.vpp_data(), 2, worker.K, worker.LR, 0.0)
+
+
+# The targets {"0:layers.0": {}, "layers.0.weight": {}}: chunk 0's weight and bias, chunk 1's weight only.
+VPP_SELECTED = [(0, "weight"), (0, "bias"), (1, "weight")]
+
+
+def _layer(chunk, stage):
+    return chunk * ref.PP + stage
+
+
+def test_vpp_gradient_and_weight_rows_per_chunk(pp_run, vpp_history):
+    """set_monitor([chunk0, chunk1]): each row's vpp_stage is its chunk, its name the chunk's own name
+    (layers.0.*), its values those of layer chunk x PP + stage of the unsharded 4-layer model. grad_reduced
+    (the dp mean) only on the first rank of each data-parallel group; grad_unreduced (this replica's micro-batch
+    gradients summed) on every rank; param_origin / param_updated before and after each step."""
+    run = pp_run[0]
+    for rank in range(RANKS):
+        stage, replica = _coordinates(rank, 1, 2)["pp"], _coordinates(rank, 1, 2)["dp"]
+        want = {prefix: {} for prefix in ("grad_reduced", "grad_unreduced", "param_origin", "param_updated")}
+        for step, h in enumerate(vpp_history):
+            for chunk, part in VPP_SELECTED:
+                name = f"layer{_layer(chunk, stage)}.{part}"
+                key = (chunk, f"layers.0.{part}", step, None)
+                want["grad_reduced"][key] = _statistics(h["mean_grad"][name])
+                want["grad_unreduced"][key] = _statistics(worker.K * h["accumulated"][replica][name])
+                want["param_origin"][key] = _statistics(h["params_before"][name])
+                want["param_updated"][key] = _statistics(h["params"][name])
+        for prefix, rows in want.items():
+            got = _msprobe_rows(run, rank, prefix)
+            if prefix == "grad_reduced" and replica != 0:
+                assert got is None   # the data-parallel copies: written once per dp group
+                continue
+            _close_rows(got, rows)
+
+
+def test_vpp_activation_rows_per_chunk_and_micro_step(pp_run, vpp_history):
+    """all_xy: each chunk's root (`.input`, `.output`) and `layers.0` per micro-batch, under its chunk."""
+    run, data = pp_run[0], worker.vpp_data()
+    for rank in range(RANKS):
+        stage, replica = _coordinates(rank, 1, 2)["pp"], _coordinates(rank, 1, 2)["dp"]
+        want = {}
+        for step, (h, (x, _)) in enumerate(zip(vpp_history, data)):
+            for micro in range(worker.K):
+                start = (replica * worker.K + micro) * worker.ROWS
+                xb = x[start:start + worker.ROWS]
+                outputs = ref.vpp_activations(h["params_before"], xb)
+                for chunk in range(ref.VPP_CHUNKS):
+                    layer = _layer(chunk, stage)
+                    values = {"input": xb if layer == 0 else outputs[layer - 1], "output": outputs[layer]}
+                    for cell in ("layers.0", ""):
+                        for point, value in values.items():
+                            want[(chunk, f"{cell}.{point}", step, micro)] = _statistics(value)
+        _close_rows(_msprobe_rows(run, rank, "actv"), want)
+
+
+PHASES = {"actv": 0, "actv_grad": 1, "grad_unreduced": 1, "grad_reduced": 1, "param_origin": 2, "param_updated": 2}
+
+
+def _msprobe_order(entry):
+    """msprobe's order of anomalies (its GradAnomalyData): step, micro-step, forward < backward < optimizer,
+    then in the forward vpp_stage and pp_stage ascending, elsewhere descending, then call_id."""
+    phase = PHASES[entry["kind"]]
+    sign = 1 if phase == 0 else -1
+    micro = float("inf") if entry["micro_step"] is None else entry["micro_step"]
+    return (entry["step"], micro, phase, sign * entry["vpp_stage"], sign * entry["pp_stage"], entry["call_id"],
+            entry["rank"])
+
+
+def test_vpp_anomalies_carry_stages_and_are_ordered_across_stages(pp_run):
+    """process_group gives pp_stage (and group_mates, the pipeline group's ranks); the chunk gives vpp_stage;
+    `mindmon anomalies` orders every rank's anomalies of step 1 as msprobe's analyser does: a micro-batch's
+    forward through chunk 0 of stages 0, 1, then chunk 1 of stages 0, 1; its backward in reverse."""
+    import subprocess
+    import sys
+
+    root = pp_run[0].parent / "run-msprobe"
+    dumps = {}
+    for rank in range(RANKS):
+        entries = json.loads((root / "anomaly_detected" / f"rank{rank}" / "anomaly.json").read_text())
+        stage = _coordinates(rank, 1, 2)["pp"]
+        mates = [r for r in range(RANKS) if _coordinates(r, 1, 2)["dp"] == _coordinates(rank, 1, 2)["dp"]]
+        for entry in entries.values():
+            chunk = int(entry["name"].split(":")[0])
+            assert (entry["pp_stage"], entry["vpp_stage"], entry["group_mates"]) == (stage, chunk, mates)
+        dumps.update({(rank, key): entry for key, entry in entries.items()})
+    out = root / "analysed.json"
+    result = subprocess.run([sys.executable, "-m", "mindmon", "anomalies", "-d", str(root), "-o", str(out),
+                             "-k", "100000", "-s", "1"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    analysed = list(json.loads(out.read_text()).values())
+    step1 = [entry for entry in dumps.values() if entry["step"] == 1]
+    assert len(analysed) == len(step1) > 0
+    assert [_msprobe_order(e) for e in analysed] == sorted(_msprobe_order(e) for e in step1)
+    stages = {}
+    for entry in analysed:
+        if entry["micro_step"] == 0 and entry["kind"] in ("actv", "actv_grad"):
+            order = stages.setdefault(entry["kind"], [])
+            where = (entry["vpp_stage"], entry["pp_stage"])
+            if not order or order[-1] != where:
+                order.append(where)
+    assert stages == {"actv": [(0, 0), (0, 1), (1, 0), (1, 1)], "actv_grad": [(1, 1), (1, 0), (0, 1), (0, 0)]}
+
+
+def test_tp_group_dedup_of_grad_reduced_rows(tp_run):
+    """set_monitor(net, ..., tp_group, dp_group) on TP=2 x DP=2: grad_reduced rows on the first rank of each
+    data-parallel group only; there, the replicated parameters (layer norms, row-parallel biases) on the first
+    tensor-parallel rank only and each sharded one on both, with the norm of this rank's shard of the
+    unsharded model's dp-mean gradient."""
+    run, history = tp_run[0], tp_run[-1]
+    for rank in range(RANKS):
+        coordinates = _coordinates(rank, 2, 1)
+        got = _msprobe_rows(run, rank, "grad_reduced")
+        if coordinates["dp"] != 0:
+            assert got is None
+            continue
+        want = {}
+        for name, gradient in history[0]["mean_grad"].items():
+            dim = ref.TP_SPLIT.get(name)
+            if dim is None and coordinates["tp"] != 0:
+                continue
+            shard = ref.shard(gradient, dim, coordinates["tp"], 2)
+            want[(0, _model_name(name), 0, None)] = {"norm": float(np.linalg.norm(shard))}
+        assert len(want) == (12 if coordinates["tp"] == 0 else 6)
+        _close_rows(got, want)
+
+
+def _merged(run, tmp_path):
+    import csv
+
+    from mindmon.analysis.merge import merge
+
+    path, _ = merge(str(run), str(tmp_path / "merged.csv"), progress=None)
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_merge_of_the_tp_run_shows_full_parameters(tp_run, tmp_path):
+    """Over TP=2 x DP=2: each parameter's norm rows pool the replicas' first tensor-parallel ranks (0 and 2),
+    and every one of them is the FULL parameter's value; no pp/ep columns (every rank is stage 0, ep 0)."""
+    run, history = tp_run[0], tp_run[-1]
+    rows = _merged(run, tmp_path)
+    assert "pp" not in rows[0]
+    device = {(int(r["step"]), r["name"]): r for r in rows if r["kind"] == "device_norm"}
+    assert len(device) == 2 * len(ref.tp_parameters())
+    for step, h in enumerate(history, start=1):
+        for name in ref.tp_parameters():
+            row = device[(step, _model_name(name))]
+            assert row["ranks"] == "2"
+            _close([float(row["min"]), float(row["max"])], [h["device"][name]] * 2)
+
+
+def test_merge_of_the_pp_run_keeps_the_stages_apart(pp_run, tmp_path):
+    """Both stages name their parameters `weight` and `bias`: the merged rows key on pp, so each row is one
+    stage's parameter (pooled over its two replicas), never a mix of the two stages."""
+    run, history = pp_run[0], pp_run[-1]
+    rows = _merged(run, tmp_path)
+    device = {(int(r["step"]), r["name"], int(r["pp"])): r for r in rows if r["kind"] == "device_norm"}
+    assert sorted(device) == sorted((s, part, stage) for s in (1, 2) for part in ("weight", "bias") for stage in (0, 1))
+    for (step, part, stage), row in device.items():
+        assert row["ranks"] == "2" and row["ep"] == "0"
+        _close([float(row["min"]), float(row["max"])], [history[step - 1]["device"][f"stage{stage}.{part}"]] * 2)
+    losses = [r for r in rows if r["kind"] == "loss"]
+    assert sorted((int(r["step"]), int(r["pp"])) for r in losses) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_monitor_config_weight_norm_of_the_whole_model(tp_run, pp_run):
+    """weight_norm (monitor_config) after each step, on every rank: the norm of every parameter of the
+    unsharded model (every shard of every stage once), as one device would compute it."""
+    for run in (tp_run, pp_run):
+        records, history = run[1], run[-1]
+        for rank in range(RANKS):
+            got = _values(records[rank], "weight_norm")
+            want = [np.sqrt(sum(np.sum(v ** 2) for v in h["params"].values())) for h in history]
+            _close([got[(s, None, "global")] for s in (1, 2)], want)
+
+
+def test_monitor_config_adam_moment_norms_of_full_parameters(tp_run):
+    """adam_m_norm / adam_v_norm after one Adam step from zero moments: (1 - beta1) |g| and (1 - beta2) |g^2|
+    of the FULL dp-mean gradient g, written by the first tensor-parallel rank of each replica only."""
+    run, history = tp_run[0], tp_run[-1]
+    gradient = history[0]["mean_grad"]
+    for rank in range(RANKS):
+        records = read_jsonl(run.parent / "run-adam" / f"rank_{rank}" / "metrics.jsonl")
+        m, v = _values(records, "adam_m_norm"), _values(records, "adam_v_norm")
+        if _coordinates(rank, 2, 1)["tp"] == 1:
+            assert not m and not v
+            continue
+        assert len(m) == len(v) == len(gradient)
+        for name, g in gradient.items():
+            _close(m[(1, None, name)], 0.1 * np.linalg.norm(g))
+            _close(v[(1, None, name)], 0.001 * np.linalg.norm(g ** 2))
+
+
+def test_dask_merge_of_the_pp_run_equals_the_duckdb_merge(pp_run, tmp_path):
+    """The PP run compacted to Parquet (its coordinates read from the JSONL): the Dask merge on a LocalCluster
+    of two worker processes writes the DuckDB merge's table, pp and ep columns included, byte for byte."""
+    import filecmp
+    import shutil
+
+    import distributed
+
+    from mindmon.analysis.compact import compact_run
+    from mindmon.analysis.dask_merge import merge_on_dask
+    from mindmon.analysis.merge import merge
+
+    run = tmp_path / "run"
+    shutil.copytree(pp_run[0], run)
+    compact_run(str(run), progress=None)
+    want, _ = merge(str(run), str(tmp_path / "duckdb.csv"), source="columnar", progress=None)
+    assert open(want).readline().strip().endswith(",pp,ep")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        got, _ = merge_on_dask(str(run), str(tmp_path / "dask.csv"), scheduler=cluster.scheduler_address)
+    assert filecmp.cmp(want, got, shallow=False)

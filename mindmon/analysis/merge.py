@@ -10,6 +10,12 @@ List values (per head, per expert) are left out: their rows would not be one num
 whatever the order the ranks were read in); `max_rank` is the rank of the largest finite value.
 Rows are ordered by step, micro-step (step-level values first), kind, name.
 
+Under model parallelism (records carrying a pipeline stage or expert-parallel index above 0) each row
+also keys on `pp` and `ep`, two more columns at the end: a stage's (or an expert rank's) parameters are
+its own, even when their names repeat on another stage, so their values are never pooled. Tensor- and
+context-parallel ranks are pooled like data-parallel ones: a full parameter's norm is written by one
+of them only (docs/model-parallel.md), and their other values are copies of the replica's.
+
 DuckDB (mindmon.analysis.sql) gathers each key's values across ranks, a window of steps at a time
 (about WINDOW_ROWS records), so memory stays bounded whatever the run's length; numpy computes each
 row from the values in rank order (the mean is numpy's, to the last bit). A rank that wrote a key
@@ -32,6 +38,8 @@ from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, Engine
 
 PER_RANK_KINDS = (LOCAL_LOSS, MICRO_NORM)
 COLUMNS = ["kind", "name", "step", "micro_step", "ranks", "min", "max", "mean", "max_rank", "outlier_rank"]
+OUTLIER_RANK = COLUMNS.index("outlier_rank")
+PLACES = ["pp", "ep"]   # the coordinates whose ranks hold different parameters: keys of a model-parallel run
 WINDOW_ROWS = 4_000_000
 
 STEP_ROWS_SQL = "SELECT step, count(*) FROM records WHERE value IS NOT NULL GROUP BY step ORDER BY step"
@@ -40,6 +48,14 @@ SELECT kind, name, step, micro_step, list(rank ORDER BY rank) AS ranks, list(val
 FROM records WHERE value IS NOT NULL AND step BETWEEN ? AND ?
 GROUP BY kind, name, step, micro_step
 ORDER BY step, micro_step NULLS FIRST, kind, name
+"""
+MODEL_PARALLEL_SQL = "SELECT coalesce(max(pp), 0) > 0 OR coalesce(max(ep), 0) > 0 FROM records"
+PLACED_WINDOW_SQL = """
+SELECT kind, name, step, micro_step, coalesce(pp, 0) AS pp, coalesce(ep, 0) AS ep,
+       list(rank ORDER BY rank) AS ranks, list(value ORDER BY rank) AS vals
+FROM records WHERE value IS NOT NULL AND step BETWEEN ? AND ?
+GROUP BY kind, name, step, micro_step, coalesce(pp, 0), coalesce(ep, 0)
+ORDER BY step, micro_step NULLS FIRST, kind, name, pp, ep
 """
 
 
@@ -118,6 +134,7 @@ def window_rows(table, factor: float) -> Tuple[List[List], int]:
     kinds, names = table.column("kind").to_pylist(), table.column("name").to_pylist()
     steps, micro = table.column("step").to_pylist(), table.column("micro_step").to_pylist()
     counts = np.diff(offsets)
+    places = [table.column(c).to_pylist() for c in PLACES if c in table.column_names]
     out: List[Optional[List]] = [None] * table.num_rows
     twice = 0
     for n in np.unique(counts):
@@ -132,6 +149,7 @@ def window_rows(table, factor: float) -> Tuple[List[List], int]:
         for j, i in enumerate(rows):
             out[i] = [kinds[i], names[i], steps[i], "" if micro[i] is None else micro[i], int(n), float(mins[j]),
                       float(maxs[j]), float(means[j]), int(max_ranks[j]), "" if flagged[j] is None else flagged[j]]
+            out[i] += [place[i] for place in places]
     return out, twice
 
 
@@ -145,12 +163,14 @@ def merge(run_dir: str, output: Optional[str] = None, factor: float = 5.0, memor
     with Engine(run_dir, memory_limit, source=source) as engine, \
             open(output, "w", newline="", encoding="utf-8") as handle:
         windows = step_windows(engine.execute(STEP_ROWS_SQL).fetchall(), WINDOW_ROWS)
+        placed = bool(engine.execute(MODEL_PARALLEL_SQL).fetchall()[0][0])
         writer = csv.writer(handle)
-        writer.writerow(COLUMNS)
+        writer.writerow(COLUMNS + (PLACES if placed else []))
         for done, (first, last) in enumerate(windows, start=1):
-            rows, doubled = window_rows(engine.relation(WINDOW_SQL, [first, last]).to_arrow_table(), factor)
+            query = PLACED_WINDOW_SQL if placed else WINDOW_SQL
+            rows, doubled = window_rows(engine.relation(query, [first, last]).to_arrow_table(), factor)
             writer.writerows(rows)
-            flagged += [row for row in rows if row[-1] != ""]
+            flagged += [row for row in rows if row[OUTLIER_RANK] != ""]
             twice += doubled
             if progress is not None:
                 print(f"mindmon merge: steps {first}-{last} ({done}/{len(windows)}) from {len(engine.ranks())} "

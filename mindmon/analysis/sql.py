@@ -26,12 +26,12 @@ SOURCES = ("auto", "columnar", "jsonl")
 # metrics.jsonl as read_json sees it; a key a line lacks is NULL (a half-written last line too).
 JSONL_COLUMNS = ("{step: 'BIGINT', micro_step: 'INTEGER', rank: 'INTEGER', kind: 'VARCHAR', name: 'VARCHAR', "
                  "value: 'JSON', nonfinite: 'JSON', iter: 'BIGINT', ops: 'VARCHAR[]', shape: 'BIGINT[]', "
-                 "dtype: 'VARCHAR'}")
+                 "dtype: 'VARCHAR', dp: 'INTEGER', tp: 'INTEGER', pp: 'INTEGER', ep: 'INTEGER', cp: 'INTEGER'}")
 # The JSONL's `null` + `nonfinite` back to IEEE NaN/inf, lists apart from scalars (formats/jsonl.py).
 JSONL_SELECT = """
 SELECT step, micro_step,
        CAST(regexp_extract(filename, '[/\\\\]rank_(\\d+)[/\\\\][^/\\\\]+$', 1) AS INTEGER) AS rank,
-       {nulls}, kind, name,
+       {coordinates}, kind, name,
        CASE WHEN json_type(value) = 'ARRAY' THEN NULL
             WHEN nonfinite IS NOT NULL THEN CAST(nonfinite ->> '$' AS DOUBLE)
             ELSE CAST(value AS DOUBLE) END AS value,
@@ -59,9 +59,9 @@ def _literal(paths: Sequence[str]) -> str:
 
 def jsonl_sql(paths: Sequence[str]) -> str:
     """A SELECT of SCHEMA's columns over JSONL files (the rank from each file's `rank_<r>` folder)."""
-    nulls = ", ".join(f"CAST(NULL AS INTEGER) AS {axis}" for axis in columnar.COORDINATES)
+    coordinates = ", ".join(columnar.COORDINATES)   # a line of a run without a layout has none: NULL
     read = JSONL_READ.format(files=_literal(paths), columns=JSONL_COLUMNS)
-    return f"SELECT {COLUMNS} FROM ({JSONL_SELECT.format(nulls=nulls, read=read, valid=JSONL_VALID)})"
+    return f"SELECT {COLUMNS} FROM ({JSONL_SELECT.format(coordinates=coordinates, read=read, valid=JSONL_VALID)})"
 
 
 def skipped_lines_sql(path: str) -> str:

@@ -11,7 +11,8 @@ One file holds `step_count_per_record` consecutive steps (files start at multipl
 
     vpp_stage,name,step[,micro_step],<ops in config order>,shape,dtype
 
-one row per tensor and step: `vpp_stage` 0, `name` the parameter, `step` 0-based (the optimizer step
+one row per tensor and step: `vpp_stage` the model chunk (a record named `"1:layers.0.w"` is written
+`1,layers.0.w`; a name without a chunk prefix is chunk 0's: mindmon.chunks), `name` the parameter, `step` 0-based (the optimizer step
 index), `micro_step` only in files of per-micro-batch rows, statistics rounded to `ndigits` decimal
 places (or significant digits), `shape` as `"(16, 8)"`, `dtype` as MindSpore prints it (`Float32`).
 Records carry 1-based steps (the engine's convention): the CSV step is `record.step - 1`.
@@ -32,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from mindmon.chunks import chunk_name, split_chunk
 from mindmon.records import TensorStatsRecord
 
 OUTPUT_DIR_ENV = "MONITOR_OUTPUT_DIR"
@@ -91,7 +93,8 @@ def format_row(record: TensorStatsRecord, columns: Sequence[str], ndigits: int, 
                ) -> List[str]:
     """One CSV row for `columns` (a header): statistics the record lacks are left empty, so every row
     has exactly as many fields as its header."""
-    described = {"vpp_stage": "0", "name": record.name, "step": str(record.step - 1),
+    chunk, name = split_chunk(record.name)
+    described = {"vpp_stage": str(chunk), "name": name, "step": str(record.step - 1),
                  MICRO_STEP: "" if record.micro_step is None else str(record.micro_step),
                  "shape": str(tuple(record.shape)), "dtype": record.dtype}
     statistics = dict(zip(record.ops, record.value))
@@ -124,7 +127,7 @@ def format_text(records: Sequence[TensorStatsRecord], columns: Sequence[str], nd
             lines.append(_csv_line(format_row(record, columns, ndigits, significant)))
             continue
         micro_text = "" if not micro else "," if record.micro_step is None else f",{record.micro_step}"
-        lines.append(f"0,{_csv_field(record.name)},{record.step - 1}{micro_text},{next(numbers)},"
+        lines.append(f"{_stage_and_name(record.name)},{record.step - 1}{micro_text},{next(numbers)},"
                      f"{_csv_field(str(tuple(record.shape)))},{_csv_field(record.dtype)}\r\n")
     return "".join(lines)
 
@@ -190,6 +193,20 @@ _FIELDS: Dict[str, str] = {}
 _FIELDS_KEPT = 1 << 16
 
 
+def _stage_and_name(name: str) -> str:
+    """The `vpp_stage,name` fields of a record's name, remembered like `_csv_field`."""
+    fields = _STAGE_AND_NAME.get(name)
+    if fields is None:
+        chunk, bare = split_chunk(name)
+        fields = f"{chunk},{_csv_field(bare)}"
+        if len(_STAGE_AND_NAME) < _FIELDS_KEPT:
+            _STAGE_AND_NAME[name] = fields
+    return fields
+
+
+_STAGE_AND_NAME: Dict[str, str] = {}
+
+
 def _csv_line(row: Sequence[str]) -> str:
     buffer = io.StringIO()
     csv.writer(buffer).writerow(row)
@@ -210,6 +227,12 @@ def read_header(path: str) -> List[str]:
         return next(csv.reader(file), [])
 
 
+def _chunk_named(cell: Dict[str, str]) -> str:
+    """The record's name: a row of chunk c > 0 gets its `<c>:` prefix back (chunk 0's stays plain)."""
+    chunk = int(cell.get("vpp_stage") or 0)
+    return chunk_name(chunk, cell["name"]) if chunk else cell["name"]
+
+
 def read_csv(path: str, rank: int = 0) -> List[TensorStatsRecord]:
     """The records of one CSV file (kind = the file's prefix, 1-based steps, statistics as floats;
     an empty field is NaN)."""
@@ -225,7 +248,7 @@ def read_csv(path: str, rank: int = 0) -> List[TensorStatsRecord]:
         cell = dict(zip(columns, row))
         micro = cell.get(MICRO_STEP)
         records.append(TensorStatsRecord(
-            int(cell["step"]) + 1, int(micro) if micro else None, rank, match.group("prefix"), cell["name"],
+            int(cell["step"]) + 1, int(micro) if micro else None, rank, match.group("prefix"), _chunk_named(cell),
             [float(cell[op]) if cell[op] else float("nan") for op in ops],
             ops=ops, shape=tuple(ast.literal_eval(cell["shape"])), dtype=cell["dtype"]))
     return records

@@ -93,7 +93,7 @@ class TrainerMon(MsprobeTrainerMon):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             self.set_monitor(model, grad_acc_steps, optimizer, later=self.later)
-        self._log_monitored(model)
+        self._log_monitored()
 
     def _wait_for_optimizer(self) -> None:
         TrainerMon._awaiting = self
@@ -122,13 +122,13 @@ class TrainerMon(MsprobeTrainerMon):
         """No forward has run since hook_modules (an optimizer given later belongs to a later run)."""
         return self.hooks is None or (self.hooks.step == 0 and self.hooks.micro_steps.forwards == 0)
 
-    def _log_monitored(self, model) -> None:
+    def _log_monitored(self) -> None:
         if self.hooks is None or self.hooks.activations is None:
             return
         for name in self.hooks.activations.monitored:
             logger.info("> %s is monitored successfully", name)
         logger.info("> %d out of %d modules are monitored.", self.hooks.hooked_cells,
-                    len(list(model.cells_and_names())))
+                    len(list(self.model.cells_and_names())))   # the chunks of a virtual pipeline together
 
     def close(self) -> None:
         """Writes the step in flight (without an optimizer its end is only known here), then detaches."""

@@ -16,6 +16,7 @@ import logging
 import warnings
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from mindmon.chunks import as_model
 from mindmon.config import ConfigError, MindmonConfig, MonitorConfig, is_int
 from mindmon.distributed import DataParallel
 from mindmon.engine import Sink
@@ -25,6 +26,7 @@ from mindmon.features.tensor_stats.hooks import TensorStatsHooks, attachment
 from mindmon.features.tensor_stats.monitor import ACTV, ACTV_GRAD, GRAD_REDUCED, GRAD_UNREDUCED
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 from mindmon.formats.msprobe_csv import output_root as csv_output_root
+from mindmon.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("mindmon")
 
@@ -47,6 +49,7 @@ class TrainerMon:
         self._config = config if config is not None else load_config_json(config_file_path)
         self.config_path = config_file_path
         self.process_group = process_group
+        self.pipeline = pipeline_layout(process_group)
         self.params_have_main_grad = params_have_main_grad
         self.sink = sink if sink is not None else MsprobeCsvSink.for_config(self.config)
         self.run_folder = run_folder or (lambda: self.sink.folder)
@@ -89,13 +92,19 @@ class TrainerMon:
 
     def set_monitor(self, model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None,
                     start_iteration: int = 0, *, later: Optional[TensorStatsConfig] = None) -> None:
-        """Attach to `model`'s cells and parameters and this `optimizer` instance. Checks everything before
+        """Attach to `model`'s cells and parameters and this `optimizer` instance. `model` may be the list of
+        a virtual pipeline's chunks: their names get msprobe's `<chunk>:` prefix (mindmon.chunks) and the
+        CSV's `vpp_stage` column is the chunk. Checks everything before
         training. With DYNAMIC_MONITOR=True only the step-end hook is attached until config.json says
         `dynamic_on: true` (mindmon/features/tensor_stats/dynamic.py). `later` (mindmon's): the configuration
         that applies once `take_optimizer` gives the optimizer it needs; the outputs are built for it."""
         for key, value, low in (("grad_acc_steps", grad_acc_steps, 1), ("start_iteration", start_iteration, 0)):
             if not is_int(value) or value < low:
                 raise ConfigError(f"{key}: got {value!r}; allowed: an int >= {low}")
+        if isinstance(model, (list, tuple)) and not model:
+            raise ConfigError("model: got an empty list; allowed: a model or the list of its virtual-pipeline "
+                              "chunks")
+        model = as_model(model)
         if self.hooks is not None:
             raise RuntimeError("set_monitor was already called on this TrainerMon; make one TrainerMon per run")
         watcher = ConfigWatcher(self.config_path) if dynamic_mode() and self.config_path else None
@@ -125,7 +134,7 @@ class TrainerMon:
         sections = {"tensor_stats": outputs_for, "alert": outputs_for.alert}
         translated = MindmonConfig(MonitorConfig(output_dir=csv_output_root(), sections=sections))
         built = build(translated, rank=self.rank, logger=logger, outputs=[self.sink] + self.extra_sinks,
-                      data_parallel=DataParallel())
+                      data_parallel=DataParallel(), layout=self.pipeline)
         self.group = group_of(built)
         return built.parts["tensor_stats"](config=config, run_folder=self.run_folder, watcher=watcher,
                                            on_step_end=self.group.flush, recorder=self.group,
@@ -186,3 +195,20 @@ class TrainerMon:
             self.hooks.detach()
         if self.group is not None:
             self.group.close()
+
+
+def pipeline_layout(process_group) -> Optional[ParallelLayout]:
+    """msprobe's `process_group`: the pipeline-parallel group (its name), whose rank index is the `pp_stage`
+    of the anomaly dump and whose ranks are its `group_mates`. None: one stage."""
+    if process_group is None:
+        return None
+    allowed = ("allowed: the name of the pipeline-parallel communication group (created with "
+               "mindspore.communication.create_group), or None for one stage")
+    if not isinstance(process_group, str) or not process_group:
+        raise ConfigError(f"process_group: got {process_group!r}; {allowed}")
+    try:
+        group = DataParallel(process_group)
+    except ConfigError:
+        raise ConfigError(f"process_group: got {process_group!r}, a communication group that does not exist (or "
+                          f"does not hold this rank); {allowed}") from None
+    return ParallelLayout({"pp": group}, rank=DataParallel().rank)

@@ -1,4 +1,5 @@
-"""Per-parameter squared norms of full parameters under tensor / context parallelism.
+"""Per-parameter squared norms of full parameters under tensor / context parallelism (of state read after
+the update instead, such as the weights: mindmon.parallel.reduce.FullParameterNorms).
 
 A monitor's squared norms for one step (K accumulated, K micro-batch, and the data-parallel reduced
 gradient's) form a (2K + 1, n) matrix; each column is weighted by `ParallelLayout.norm_weight` over
@@ -78,3 +79,4 @@ class ShardedNorms:
         if self._has_reduced:
             out["reduced"] = self._summed[-1]
         return out
+

@@ -14,7 +14,7 @@ axes it is copied over (`ParallelLayout.norm_weight`), so the sum holds every el
 device would compute. CPU collectives in a group are SUM all-reduces of float32 (mccl has no float64 and
 no all-gather outside the world group), which these sums need and nothing more.
 """
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 
@@ -76,3 +76,46 @@ class ModelParallelSums:
                 layout.groups["pp"], [share, np.asarray(losses, np.float64) * last, np.array([mean_loss * last])])
             losses, mean_loss = list(summed_losses), float(summed_mean[0])
         return float(np.sqrt(share[0])), list(losses), mean_loss
+
+
+def summed_over(layout, axes: Sequence[str], arrays: Sequence[np.ndarray]) -> list:
+    """Each array summed over the groups of `axes` that have more than one rank: one packed all-reduce
+    per axis (`packed_sum`)."""
+    arrays = [np.asarray(a, np.float64) for a in arrays]
+    for axis in axes:
+        if layout.size(axis) > 1:
+            arrays = packed_sum(layout.groups[axis], arrays)
+    return arrays
+
+
+class FullParameterNorms:
+    """Squared norms of parameters (or of their optimizer state, placed as the parameter) made full-parameter
+    ones at step end, for the monitors that read state after the update (monitor_config's weight and Adam
+    norms): each rank's squared norms weighted by `ParallelLayout.norm_weight`, then summed over the groups.
+
+    Example:
+        full = FullParameterNorms(layout, [p.name for p in parameters])
+        per_parameter = full.per_parameter([squared_m, squared_v])   # over tp and cp: each full parameter
+        total = full.total(squared)                                  # every shard of every stage once
+    """
+
+    def __init__(self, layout, names: Sequence[str]):
+        self.layout, self.names = layout, list(names)
+        self._weights: Dict[tuple, np.ndarray] = {}
+
+    def weights(self, axes: Sequence[str]) -> np.ndarray:
+        """Read at the first use, once the train step has added the parameters' own placements."""
+        key = tuple(axes)
+        if key not in self._weights:
+            self._weights[key] = np.array([self.layout.norm_weight(name, axes) for name in self.names], np.float64)
+        return self._weights[key]
+
+    def per_parameter(self, squared: Sequence[np.ndarray]) -> list:
+        """Each array's full-parameter squared norms (summed over tp and cp), in one all-reduce per axis."""
+        weights = self.weights(PER_PARAMETER_AXES)
+        return summed_over(self.layout, PER_PARAMETER_AXES, [np.asarray(s) * weights for s in squared])
+
+    def total(self, squared: np.ndarray) -> float:
+        """The squared norm of the whole model: every shard of every stage and expert once."""
+        share = np.array([float(np.dot(self.weights(SHARD_AXES), squared))])
+        return float(summed_over(self.layout, SHARD_AXES + ("pp",), [share])[0][0])

@@ -29,8 +29,9 @@ def build(build, section: AlertConfig) -> None:
     """The alert sink (on every rank: each judges its own records) and its actions."""
     if not section.active:
         return
+    pipeline = build.layout.groups.get("pp") if build.layout is not None else None
     sink, actions = build_alert_sink(section, build.config.monitor.output_dir, build.rank, build.logger,
-                                     build.data_parallel, path=section.path)
+                                     build.data_parallel, path=section.path, pipeline=pipeline)
     build.sinks.append(sink)
     build.add_actions(actions)
 

@@ -4,7 +4,9 @@ Reads every `rank<r>/anomaly.json` below DIR (the `anomaly_detected` folder, or 
 folder holding it), keeps the steps asked for, orders the entries by
 
     (step, micro-step (step-level values after every micro-step), phase (forward < gradients <
-     optimizer and step-end values), pp_stage, vpp_stage, call_id, rank)
+     optimizer and step-end values), then, as msprobe orders pipeline stages: in the forward phase
+     vpp_stage and pp_stage ascending (the order a micro-batch runs through the chunks and stages),
+     in the others both descending (the backward pass's order), then call_id, rank)
 
 and writes the first k to `anomaly_analyse.json` (default: in DIR), keyed as in anomaly.json,
 in that order. It reads msprobe's own dumps too (phase then comes from the tag name).
@@ -37,16 +39,23 @@ entries AS (
     SELECT files.file_no, j.id AS position, j.key, j.value AS entry, j.value ->> 'kind' AS kind,
            coalesce(j.value ->> 'tag_name', '') AS tag
     FROM read_text($paths) AS t JOIN files USING (filename), json_each(CAST(t.content AS JSON)) AS j
+),
+phased AS (
+    SELECT *, CASE WHEN kind IS NULL THEN
+                  CASE WHEN ends_with(tag, '_grad') THEN 1 WHEN regexp_matches(tag, '/(input|output)(_\\d+)?$') THEN 0
+                       WHEN contains(tag, 'exp_avg') THEN 2 ELSE 1 END
+              WHEN list_contains($forward, kind) THEN 0 WHEN list_contains($gradient, kind) THEN 1 ELSE 2 END
+              AS phase
+    FROM entries
 )
-SELECT file_no, key FROM entries
+SELECT file_no, key FROM phased
 WHERE $steps IS NULL OR list_contains($steps, CAST(entry ->> 'step' AS BIGINT))
 ORDER BY CAST(entry ->> 'step' AS DOUBLE),
          coalesce(CAST(entry ->> 'micro_step' AS DOUBLE), CAST('inf' AS DOUBLE)),
-         CASE WHEN kind IS NULL THEN
-                  CASE WHEN ends_with(tag, '_grad') THEN 1 WHEN regexp_matches(tag, '/(input|output)(_\\d+)?$') THEN 0
-                       WHEN contains(tag, 'exp_avg') THEN 2 ELSE 1 END
-              WHEN list_contains($forward, kind) THEN 0 WHEN list_contains($gradient, kind) THEN 1 ELSE 2 END,
-         coalesce(CAST(entry ->> 'pp_stage' AS BIGINT), 0), coalesce(CAST(entry ->> 'vpp_stage' AS BIGINT), 0),
+         phase,
+         -- the forward pass runs chunk by chunk, each through the stages in order; the backward the reverse
+         (CASE WHEN phase = 0 THEN 1 ELSE -1 END) * coalesce(CAST(entry ->> 'vpp_stage' AS BIGINT), 0),
+         (CASE WHEN phase = 0 THEN 1 ELSE -1 END) * coalesce(CAST(entry ->> 'pp_stage' AS BIGINT), 0),
          coalesce(CAST(entry ->> 'call_id' AS BIGINT), 0), coalesce(CAST(entry ->> 'rank' AS BIGINT), 0),
          file_no, position
 LIMIT $k

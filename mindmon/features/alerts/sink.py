@@ -14,6 +14,7 @@ import os
 from collections import deque
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from mindmon.chunks import has_chunk, split_chunk
 from mindmon.engine import RunInfo, Sink
 from mindmon.records import Record, TensorStatsRecord
 from mindmon.features.alerts.actions import AlertActions
@@ -114,8 +115,11 @@ class AlertSink(Sink):
         message = (f"Rule {verdict.rule_name} reports anomaly signal in ('{tag}', '{statistic}') at {where} "
                    f"on rank {record.rank}: {verdict.detail}.")
         mates = self.group_mates if self.group_mates is not None else [record.rank]
+        pp_stage, vpp_stage = self.stages
+        if has_chunk(record.name):   # a virtual pipeline's chunk (mindmon.chunks)
+            vpp_stage = split_chunk(record.name)[0]
         return Anomaly(record.rank, step, record.micro_step, self._calls, record.kind, record.name, tag,
-                       statistic, x, verdict.rule_name, message, *self.stages, group_mates=mates)
+                       statistic, x, verdict.rule_name, message, pp_stage, vpp_stage, group_mates=mates)
 
     def _handle(self, found: List[Anomaly]) -> None:
         self.count += len(found)
@@ -159,14 +163,20 @@ class AlertSink(Sink):
 
 
 def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger: Optional[logging.Logger] = None,
-                     data_parallel=None, path: str = "monitor.alert") -> Tuple[AlertSink, AlertActions]:
+                     data_parallel=None, path: str = "monitor.alert", pipeline=None) -> Tuple[AlertSink, AlertActions]:
     """The sink and the actions object for one rank, as a trainer wires them: `group_mates` are the
-    data-parallel ranks, the actions agree over the same group. Raises ConfigError (a missing
-    database driver) before training starts."""
+    data-parallel ranks, the actions agree over the same group. With `pipeline` (the pipeline group, a
+    `DataParallel`; msprobe's `process_group`) the anomalies carry this rank's stage in it as `pp_stage`
+    and its ranks as `group_mates`, as msprobe's dump does. Raises ConfigError (a missing database
+    driver) before training starts."""
     size = data_parallel.size if data_parallel is not None else 1
     mates = list(range(size)) if size > 1 else [rank]
+    pp_stage = 0
+    if pipeline is not None and pipeline.size > 1:
+        pp_stage, mates = pipeline.rank, list(pipeline.world_ranks())
     actions = AlertActions.from_config(config, data_parallel, logger)
-    return AlertSink(config, output_dir, rank, logger, group_mates=mates, actions=actions, path=path), actions
+    return AlertSink(config, output_dir, rank, logger, group_mates=mates, pp_stage=pp_stage, actions=actions,
+                     path=path), actions
 
 
 def delivery_note(sink: AlertSink, rows: int = 10) -> List[str]:

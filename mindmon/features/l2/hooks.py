@@ -8,16 +8,15 @@ Example (every attention and linear cell of a model, into a monitor of its own):
 """
 import inspect
 import logging
-import re
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from mindmon.chunks import names_match
 from mindmon.config import ConfigError
 from mindmon.features.l2.monitor import ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor
 from mindmon.features.l2.config import L2Config, warn_once
 
 logger = logging.getLogger("mindmon")
 WEIGHT_ATTRIBUTES = ("weight", "wg")
-_STAGE_PREFIX = re.compile(r"^\d+:")   # msprobe's virtual-pipeline stage prefix, "0:" in "0:layers.0.attn"
 
 
 def linear_weight(cell):
@@ -39,16 +38,17 @@ def takes_query_and_key(cell) -> bool:
 
 
 def find_cells(model, names: Sequence[str], key_path: str) -> List[Tuple[str, object]]:
-    """(name, cell) for each configured name (a `0:` stage prefix is dropped); an unknown one is a ConfigError."""
+    """(name, cell) of the cells each configured name names, with or without a model chunk's `<c>:` prefix
+    (mindmon.chunks); one that names none is a ConfigError."""
     cells = dict(model.cells_and_names())
     found = []
     for name in names:
-        bare = _STAGE_PREFIX.sub("", name)
-        if bare not in cells:
+        named = [(cell_name, cell) for cell_name, cell in cells.items() if names_match(cell_name, name)]
+        if not named:
             examples = [n for n in cells if n][:4]
             raise ConfigError(f"{key_path}: {name!r} is not a cell of the model; allowed: names from "
                               f"cells_and_names(), such as {examples}")
-        found.append((bare, cells[bare]))
+        found += named
     return found
 
 

@@ -7,16 +7,16 @@ from mindmon.engine import Monitor
 
 
 def _statistics(section, model, optimizer, rank: int, on_host: bool, data_parallel, global_batch_size,
-                logger) -> List[Monitor]:
+                logger, layout=None) -> List[Monitor]:
     from mindmon.features.monitor_config.monitors import (OptimizerStateMonitor, StableRankMonitor,
                                                           ThroughputMonitor, WeightStateMonitor)
 
     monitors: List[Monitor] = []
     interval = section.step_interval
     if section.format("optimizer_state") and optimizer is not None:
-        monitors.append(OptimizerStateMonitor(optimizer, section.selects, interval, rank, on_host, logger))
+        monitors.append(OptimizerStateMonitor(optimizer, section.selects, interval, rank, on_host, logger, layout))
     if section.format("weight_state") and model is not None:
-        monitors.append(WeightStateMonitor(model, interval, rank, on_host))
+        monitors.append(WeightStateMonitor(model, interval, rank, on_host, layout))
     if section.monitor_on and section.stable_rank.formats and model is not None:
         monitors.append(StableRankMonitor(model, section.stable_rank, rank, logger))
     if section.monitor_on and section.throughput_baseline is not None:
@@ -41,7 +41,7 @@ def build(build, section) -> None:
                              ", ".join(section.tensorboard_fallback))
     if build.collects:
         for monitor in _statistics(section, build.model, build.optimizer, build.rank, build.on_host,
-                                   build.data_parallel, build.global_batch_size, build.logger):
+                                   build.data_parallel, build.global_batch_size, build.logger, build.layout):
             build.add_monitor(monitor)
     if section.checks_spikes or section.check_for_nan_in_loss_and_grad or (section.monitor_on and section.print_struct):
         guard = StepGuard(section, build.parameter_names, build.rank, build.logger)

@@ -20,6 +20,8 @@ from mindmon.engine import Monitor
 from mindmon.features.l2.monitor import power_iteration
 from mindmon.records import Record
 from mindmon.kernels.stats import SquaredNorms
+from mindmon.parallel.norms import ShardedNorms
+from mindmon.parallel.reduce import FullParameterNorms
 
 WEIGHT_STABLE_RANK = "weight_stable_rank"
 WEIGHT_EIGENVALUE = "weight_eigenvalue"
@@ -98,18 +100,21 @@ class StableRankMonitor(Monitor):
 class WeightStateMonitor(Monitor):
     """weight_norm: the L2 norm of every trainable parameter together, every `step_interval` steps."""
 
-    def __init__(self, model, step_interval: int, rank: int = 0, on_host: bool = True):
+    def __init__(self, model, step_interval: int, rank: int = 0, on_host: bool = True, layout=None):
         self.parameters = list(model.trainable_params())
         self.step_interval = step_interval
         self.rank = rank
         self.on_host = on_host
+        # Under model parallelism: the whole model's norm (every shard of every stage once), on every rank.
+        self.full = _full_norms(layout, [p.name for p in self.parameters])
 
     def collect(self, step: int) -> List[Record]:
         if step % self.step_interval or not self.parameters:
             return []
         norms = SquaredNorms(self.on_host)
         norms.add("weights", self.parameters)
-        total = float(np.sqrt(norms.results()["weights"].sum()))
+        squared = norms.results()["weights"]
+        total = float(np.sqrt(self.full.total(squared) if self.full is not None else squared.sum()))
         return [Record(step, None, self.rank, WEIGHT_NORM, STEP_LEVEL_NAME, total)]
 
 
@@ -118,7 +123,7 @@ class OptimizerStateMonitor(Monitor):
     one host transfer per moment. An optimizer without Adam moments: a warning, no records."""
 
     def __init__(self, optimizer, selects, step_interval: int, rank: int = 0, on_host: bool = True,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, layout=None):
         from mindmon.features.tensor_stats.targets import find_moments, optimizer_parameters
 
         parameters = optimizer_parameters(optimizer)
@@ -135,6 +140,10 @@ class OptimizerStateMonitor(Monitor):
         self.step_interval = step_interval
         self.rank = rank
         self.on_host = on_host
+        # Under tensor / context parallelism: each full parameter's moments, written by the first rank of
+        # its tp and cp groups (the moments are placed as their parameter).
+        self.full = _full_norms(layout, self.names) if ShardedNorms.needed(layout) else None
+        self.writes = layout is None or layout.writes_full_parameters
 
     def collect(self, step: int) -> List[Record]:
         if step % self.step_interval or not self.names:
@@ -143,8 +152,20 @@ class OptimizerStateMonitor(Monitor):
         norms.add(ADAM_M_NORM, self.first)
         norms.add(ADAM_V_NORM, self.second)
         squared = norms.results()
+        if self.full is not None:
+            squared = dict(zip((ADAM_M_NORM, ADAM_V_NORM),
+                               self.full.per_parameter([squared[ADAM_M_NORM], squared[ADAM_V_NORM]])))
+        if not self.writes:
+            return []
         return [Record(step, None, self.rank, kind, name, float(np.sqrt(value)))
                 for kind in (ADAM_M_NORM, ADAM_V_NORM) for name, value in zip(self.names, squared[kind])]
+
+
+def _full_norms(layout, names):
+    """The full-parameter sums of a model-parallel layout; None without one (or with data parallelism only)."""
+    if layout is None or not layout.model_parallel:
+        return None
+    return FullParameterNorms(layout, names)
 
 
 class ThroughputMonitor(Monitor):

@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from mindmon.chunks import names_match
 from mindmon.compat import mindspore_types, named_cells
 from mindmon.config import ConfigError, check_keys, describe
 from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD
@@ -155,9 +156,12 @@ class CellValues:
 
 def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
     """{key: spec} this cell collects ({} = not monitored)."""
-    if name in config.xy_specs:
-        plan = dict(config.xy_specs[name])
-    elif config.all_xy or not config.targets or name in config.targets:
+    # the exact name first, so that a chunk's own spec ("1:layers.0") wins over one for every chunk
+    specs = [config.xy_specs[name]] if name in config.xy_specs else \
+        [spec for target, spec in config.xy_specs.items() if names_match(name, target)]
+    if specs:
+        plan = dict(specs[0])
+    elif config.all_xy or not config.targets or any(names_match(name, target) for target in config.targets):
         plan = dict.fromkeys(SPEC_KEYS)
     else:
         plan = {}
@@ -169,7 +173,7 @@ def check_spec_targets(model, config) -> None:
     """Every target with specs names a cell of the model (checked before training)."""
     cells = {name for name, _ in named_cells(model)}
     for name in config.xy_specs:
-        if name not in cells:
+        if not any(names_match(cell, name) for cell in cells):
             examples = sorted(cells)[:6]
             raise ConfigError(f"targets.{name}: names no cell of the model, but carries activation specs; allowed: "
                               f"cell names from cells_and_names(), such as {examples}")

@@ -5,6 +5,7 @@ Both are resolved once, when the monitor is attached, never per step.
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mindmon.chunks import chunk_name, has_chunk, names_match, split_chunk
 from mindmon.compat import module_parameters, named_cells
 from mindmon.names import names_in_model
 from mindmon.config import ConfigError
@@ -23,7 +24,11 @@ _SQUASH_PATTERNS = (r"^.*\.(layers?\..*)", r"^.*\.(embeddings?\..*)", r"^.*\.(fi
 
 def squash_name(name: str) -> str:
     """The short name msprobe's `squash_name` gives: from the last `layers.`/`embedding.`/`final`/`output`/
-    `norm` component on (`model.decoder.layers.0.mlp.weight` -> `layers.0.mlp.weight`)."""
+    `norm` component on (`model.decoder.layers.0.mlp.weight` -> `layers.0.mlp.weight`); a model chunk's
+    prefix stays (`1:model.layers.0.w` -> `1:layers.0.w`)."""
+    if has_chunk(name):
+        chunk, bare = split_chunk(name)
+        return chunk_name(chunk, squash_name(bare))
     for pattern in _SQUASH_PATTERNS:
         match = re.match(pattern, name)
         if match:
@@ -47,7 +52,8 @@ def select_parameters(model, parameters: Sequence, targets: Tuple[str, ...], squ
                       ) -> List[Tuple[int, str]]:
     """(index in `parameters`, row name) of every optimizer parameter the targets select: a target is a
     module name from `cells_and_names()` (all its parameters) or a parameter name (or a prefix of one
-    ending at a dot). No targets = every parameter. A target that selects nothing is a ConfigError."""
+    ending at a dot), with or without a model chunk's `<c>:` prefix (mindmon.chunks). No targets = every
+    parameter. A target that selects nothing is a ConfigError."""
     chosen = {}
     cell_parameters = _cell_parameters(model, targets)
     names = names_in_model(model, parameters)   # mindnlp's parameters carry random names
@@ -65,12 +71,17 @@ def select_parameters(model, parameters: Sequence, targets: Tuple[str, ...], squ
 
 
 def _matches(name: str, target: str) -> bool:
-    return name == target or name.startswith(target + ".")
+    return names_match(name, target, prefix_of=True)
 
 
 def _cell_parameters(model, targets: Tuple[str, ...]) -> Dict[str, set]:
-    wanted = set(targets)
-    return {name: {id(p) for p in module_parameters(cell)} for name, cell in named_cells(model) if name in wanted}
+    """{target: ids of the parameters of every cell it names}."""
+    found: Dict[str, set] = {}
+    for name, cell in named_cells(model):
+        for target in targets:
+            if names_match(name, target):
+                found.setdefault(target, set()).update(id(p) for p in module_parameters(cell))
+    return found
 
 
 def find_moments(optimizer, count: int) -> Optional[Tuple[Sequence, Sequence]]:
