@@ -32,6 +32,13 @@ LEARNING_RATE = "learning_rate"    # name "lr": lr_scheduler(step), as MindForme
 SAMPLES = "samples"                # name "consumed": samples consumed after the step (step x global batch size)
 MAX_NORM = "max_norm"              # name "global": the clipping threshold in force (written with grad_norm, clipping on)
 
+# Per-step values of mixed-precision training (the loss_scale feature); micro_step is None.
+LOSS_SCALE = "loss_scale"          # name "scale": the loss scale after the step's adjustment (the next step's)
+OVERFLOW = "overflow"              # name "grads": 1.0 when the step's gradients were not finite, else 0.0
+UPDATE_SKIPPED = "update_skipped"  # name "update": 1.0 when the optimizer's update was not applied, else 0.0
+SKIPPED_STEPS = "skipped_steps"    # name "total": steps skipped so far in this process, this one in
+LOSS_SCALE_KINDS = (LOSS_SCALE, OVERFLOW, UPDATE_SKIPPED, SKIPPED_STEPS)
+
 
 @dataclass(frozen=True)
 class Record:

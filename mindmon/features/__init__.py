@@ -6,11 +6,12 @@ written in this order too). Adding one: docs/architecture.md, "Adding a capabili
 from typing import List
 
 from mindmon.config import MindmonConfig, parse_config
-from mindmon.features import (alerts, max_logits, moe_tokens, monitor_config, profiler, tensor_stats,
+from mindmon.features import (alerts, loss_scale, max_logits, moe_tokens, monitor_config, profiler, tensor_stats,
                               train_state)
 
 FEATURES = (
     train_state.FEATURE,
+    loss_scale.FEATURE,
     moe_tokens.FEATURE,
     max_logits.FEATURE,
     tensor_stats.FEATURE,
