@@ -236,3 +236,26 @@ def test_skipped_steps_threshold_is_a_positive_int(threshold):
     with pytest.raises(ConfigError, match=r"monitor\.alert\.rules\[0\]\.args\.threshold"):
         parse_sections({"monitor": {"alert": {"rules": [{"rule_name": "SkippedSteps",
                                                          "args": {"threshold": threshold}}]}}})
+
+
+def test_mindformers_trainer_records_the_skipped_updates(tmp_path):
+    """The MindFormers PyNative Trainer runs mindmon's training step: a model whose weight holds an inf has
+    non-finite gradients at every step, so every update is skipped (its other parameters never move)."""
+    from conftest import make_model, train, trainer_config
+
+    from mindspore import Tensor
+
+    model = make_model()
+    poisoned = model.parameters_dict()["decoder.final_layernorm.bias"]   # every token's hidden state goes inf
+    values = poisoned.asnumpy().copy()
+    values.flat[0] = np.inf
+    poisoned.set_data(Tensor(values))
+    others = {p.name: p.asnumpy().copy() for p in model.trainable_params() if p.name != poisoned.name}
+    train(trainer_config(tmp_path / "out", steps=2, monitor={"loss_scale": {"enabled": True}}), model)
+    moved = [name for name, before in others.items()
+             if not np.array_equal(before, model.parameters_dict()[name].asnumpy())]
+    assert moved == []
+    assert _rows(tmp_path, "update_skipped") == {1: 1.0, 2: 1.0}
+    assert _rows(tmp_path, "skipped_steps") == {1: 1.0, 2: 2.0}
+    assert _rows(tmp_path, "loss_scale") == {}   # no scaler in that loop
+
