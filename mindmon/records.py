@@ -39,6 +39,10 @@ UPDATE_SKIPPED = "update_skipped"  # name "update": 1.0 when the optimizer's upd
 SKIPPED_STEPS = "skipped_steps"    # name "total": steps skipped so far in this process, this one in
 LOSS_SCALE_KINDS = (LOSS_SCALE, OVERFLOW, UPDATE_SKIPPED, SKIPPED_STEPS)
 
+# The parts of a model's loss (the loss_components feature); `name` is the component ("lm loss", ...).
+LOSS_COMPONENT = "loss_component"            # one micro-batch's value of the component (not divided by K)
+LOSS_COMPONENT_STEP = "loss_component_step"  # its mean over the step's micro-batches and the data-parallel ranks
+
 
 @dataclass(frozen=True)
 class Record:

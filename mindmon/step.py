@@ -188,6 +188,7 @@ class AccumulatingTrainStep:
                     group.record("local_loss", loss, context)   # (a pipeline's come from its last stage)
                 group.record("local_norm", snapshot, context)
                 group.record("moe_tpe", context=context)
+                group.record("loss_components", None, context)   # the model's parts of this micro-batch's loss
         self._losses = losses
         return accumulated, sum(losses[1:], losses[0])
 

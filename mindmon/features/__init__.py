@@ -6,8 +6,8 @@ written in this order too). Adding one: docs/architecture.md, "Adding a capabili
 from typing import List
 
 from mindmon.config import MindmonConfig, parse_config
-from mindmon.features import (alerts, loss_scale, max_logits, moe_tokens, monitor_config, profiler, tensor_stats,
-                              train_state)
+from mindmon.features import (alerts, loss_components, loss_scale, max_logits, moe_tokens, monitor_config, profiler,
+                              tensor_stats, train_state)
 
 FEATURES = (
     train_state.FEATURE,
@@ -17,6 +17,7 @@ FEATURES = (
     tensor_stats.FEATURE,
     alerts.FEATURE,
     monitor_config.FEATURE,
+    loss_components.FEATURE,   # after monitor_config: its TensorBoard tags wrap monitor_config's
     profiler.FEATURE,
 )
 

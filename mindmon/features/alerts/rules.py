@@ -42,6 +42,7 @@ KIND_STATISTICS = {
     "tokens_per_expert": "tokens", "tokens_per_expert_step": "tokens",
     "learning_rate": "lr", "samples": "count",
     "loss_scale": "scale", "overflow": "flag", "update_skipped": "flag", "skipped_steps": "count",
+    "loss_component": "loss", "loss_component_step": "loss",
     "adam_update_histogram": "histogram", "adam_ratio_histogram": "histogram",
 }
 NOT_JUDGED = ("histogram",)   # counts of a distribution, not a value of the run: no rule reads them
