@@ -225,3 +225,23 @@ def test_more_components_than_the_payload_holds_is_said_once(tmp_path, caplog):
 def test_bad_section_is_one_clean_line(section, message):
     with pytest.raises(ConfigError, match=message):
         parse_sections({"monitor": {"loss_components": section}})
+
+
+def test_two_data_parallel_ranks_write_the_mean_over_both(tmp_path):
+    """Real msrun workers over mccl: each rank's step value is the mean of both ranks' micro-batch values
+    (read from the two ranks' own files), the same on both ranks."""
+    from msrun_launch import run_workers
+
+    result, logs = run_workers("loss_components_worker.py", [tmp_path / "out", STEPS, K], tmp_path, 2)
+    assert result.returncode == 0, result.stdout[-2000:] + "".join(log[-2000:] for log in logs.values())
+    rows = {rank: read_jsonl(tmp_path / "out" / f"rank_{rank}" / "metrics.jsonl") for rank in (0, 1)}
+    micro = {rank: [r for r in rows[rank] if r["kind"] == "loss_component"] for rank in (0, 1)}
+    first = {rank: [r["value"] for r in micro[rank] if r["step"] == 1 and r["name"] == "lm loss"] for rank in (0, 1)}
+    assert not np.allclose(first[0], first[1])   # the ranks' batches differ, so a rank's own mean would show
+    for rank in (0, 1):
+        steps = {(r["step"], r["name"]): r["value"] for r in rows[rank] if r["kind"] == "loss_component_step"}
+        assert len(steps) == STEPS * 3
+        for (step, name), value in steps.items():
+            both = [r["value"] for m in micro.values() for r in m if r["step"] == step and r["name"] == name]
+            assert len(both) == 2 * K
+            assert value == pytest.approx(np.mean(both), rel=1e-5), (rank, step, name)
