@@ -24,6 +24,7 @@ MOE_MIN_TOKENS = "moe_min_tokens"
 MOE_MAX_TOKENS = "moe_max_tokens"
 MOE_IDLE_EXPERTS = "moe_idle_experts"         # experts that got no token in the step
 MOE_SUMMARY_KINDS = (MOE_MAX_OVER_MEAN, MOE_CV, MOE_MIN_TOKENS, MOE_MAX_TOKENS, MOE_IDLE_EXPERTS)
+MOE_DROPPED_TOKENS = "moe_dropped_tokens"     # routing slots dropped by the capacity limit in the step (this rank)
 
 # Per-step values the trainer hands to callbacks at step end (MonitorCallback); micro_step is None.
 LOSS = "loss"                      # name "loss": the step's loss the trainer returns (mean of its micro-batch losses)

@@ -1,6 +1,7 @@
 """Tokens per expert on real HuggingFace MoE models run by mindnlp, random weights, through the plain loop:
-Qwen2-MoE (a Linear gate; the MoE block takes the top-k of its softmax) and DeepSeek-V3 (its router returns
-the chosen expert ids itself, after sigmoid + correction bias + group-limited selection). Every count is
+Qwen2-MoE (a Linear gate; the MoE block takes the top-k of its softmax), DeepSeek-V3 (its router returns
+the chosen expert ids itself, after sigmoid + correction bias + group-limited selection) and Switch
+Transformers (a top-1 router whose capacity limit drops tokens). Every count is
 compared with the router's own choice, captured by a second forward hook on the same gate that computes
 nothing of mindmon's (numpy over the gate's own output).
 
@@ -145,6 +146,64 @@ def test_deepseek_v3_router_that_returns_its_indices(mindnlp_transformers, tmp_p
     calls = capture_choices(model, lambda output: output[0].asnumpy())   # (topk_indices, topk_weights)
     got = train(model, tmp_path, caplog)
     assert got == expected(calls, 2)
+    assert not [r for r in caplog.records if "probe" in r.getMessage()]
+
+
+def test_switch_transformers_capacity_drops_are_counted_apart(mindnlp_transformers, tmp_path, caplog):
+    """Switch Transformers' top-1 router with an expert capacity of 3 tokens per sequence: its dispatch mask
+    (output 0) holds the kept tokens. Expected from its logits (output 2), in numpy: each token's argmax
+    expert, kept while that expert has taken fewer than 3 tokens of the sequence."""
+    import mindspore as ms
+
+    from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
+    from mindmon.probes import attach_tokens_per_expert_probes
+
+    experts, capacity = 4, 3
+    config = mindnlp_transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, expert_capacity=capacity, num_layers=2,
+        num_sparse_encoder_layers=2, num_decoder_layers=2, num_sparse_decoder_layers=2, num_heads=2,
+        num_experts=experts, decoder_start_token_id=0, pad_token_id=0)
+    model = mindnlp_transformers.SwitchTransformersForConditionalGeneration(config)
+    routers = r"encoder\.block\.\d+\.layer\.\d+\.mlp\.router$"
+    attach_tokens_per_expert_probes(model, routers, num_experts=experts, topk=1, output_index=0, selection="mask")
+    calls = []
+
+    def own_choice(module, inputs, output):
+        chosen = output[2].asnumpy().argmax(-1)                            # (sequences, tokens)
+        kept = np.zeros(experts, np.int64)
+        for row in chosen:
+            taken = np.zeros(experts, np.int64)
+            for expert in row:
+                taken[expert] += 1
+                kept[expert] += taken[expert] <= capacity
+        calls.append((module.layer_id, kept, chosen.size - kept.sum()))
+
+    for name, module in model.named_modules():
+        if re.search(routers, name):
+            module.layer_id = int(re.search(r"block\.(\d+)", name).group(1))
+            module.register_forward_hook(own_choice)
+    optimizer = SGD(model.parameters(), 0.1)
+    group = build_group(parse_sections({"monitor": {
+        "output_dir": str(tmp_path), "moe_monitor": {"save_tokens_per_expert_interval": 1,
+                                                     "layer_pattern": r"^encoder\.block\.(\d+)\."}}}), model=model)
+    step_fn = AccumulatingTrainStep(lambda ids: model(input_ids=ids, labels=ids).loss, optimizer, K, group)
+    batches = np.random.default_rng(5).integers(1, VOCAB, (STEPS, BATCH, SEQ)).astype(np.int64)
+    group.setup()
+    for step, batch in enumerate(batches, start=1):
+        step_fn(split_batch((ms.Tensor(batch),), K))
+        group.flush(step)
+    group.close()
+    rows = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    got = {(r["step"], r["micro_step"], r["name"]): r["value"] for r in rows if r["kind"] == "tokens_per_expert"}
+    want, dropped, seen = {}, defaultdict(int), defaultdict(int)
+    for layer, kept, lost in calls:
+        index = seen[layer]
+        seen[layer] += 1
+        want[(index // K + 1, index % K, f"decoder.layers.{layer}")] = [int(c) for c in kept]
+        dropped[(index // K + 1, f"decoder.layers.{layer}")] += int(lost)
+    assert got == want and len(want) == STEPS * K * 2
+    got_dropped = {(r["step"], r["name"]): r["value"] for r in rows if r["kind"] == "moe_dropped_tokens"}
+    assert got_dropped == dropped and sum(dropped.values()) > 0   # the capacity did drop tokens
     assert not [r for r in caplog.records if "probe" in r.getMessage()]
 
 

@@ -38,7 +38,7 @@ KIND_STATISTICS = {
     "local_loss": "loss", "device_loss": "loss", "loss": "loss",
     "max_attention_logit": "max",
     "moe_max_over_mean": "max_over_mean", "moe_cv": "cv",
-    "moe_min_tokens": "min", "moe_max_tokens": "max", "moe_idle_experts": "count",
+    "moe_min_tokens": "min", "moe_max_tokens": "max", "moe_idle_experts": "count", "moe_dropped_tokens": "count",
     "tokens_per_expert": "tokens", "tokens_per_expert_step": "tokens",
     "learning_rate": "lr", "samples": "count",
     "loss_scale": "scale", "overflow": "flag", "update_skipped": "flag", "skipped_steps": "count",

@@ -18,8 +18,8 @@ from mindmon.config import ConfigError, short_repr
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
 from mindmon.engine import Monitor
 from mindmon.formats.layout import global_micro_step
-from mindmon.records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
-                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
+from mindmon.records import (MOE_CV, MOE_DROPPED_TOKENS, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS,
+                       MOE_MIN_TOKENS, TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
 STEP_BEGIN = "moe_tpe_step_begin"
 MICRO_STEP_END = "moe_tpe"
@@ -141,11 +141,19 @@ class MoETokensMonitor(Monitor):
         selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
         self.layers = [layer for layer, _ in selected]
         self.cells = [cell for _, cell in selected]
+        self._has_drops = any(getattr(cell, "tokens_dropped", None) is not None for cell in self.cells)
         self.reset()
 
     def reset(self) -> None:
         self._snapshots: List = []
         self._all_ranks: Optional[List[np.ndarray]] = None
+        self._dropped_at_begin: Optional[List[float]] = None
+
+    def _dropped(self) -> List[float]:
+        """The cumulative `tokens_dropped` of the layers whose router has a capacity limit (a probe's
+        `selection="mask"`); NaN for the others."""
+        counts = [getattr(cell, "tokens_dropped", None) for cell in self.cells]
+        return [np.nan if c is None else float(c.asnumpy()) for c in counts]
 
     def cross_rank_shapes(self) -> List[tuple]:
         return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] if self.cross_rank else []
@@ -169,6 +177,8 @@ class MoETokensMonitor(Monitor):
     def record(self, key: str, value=None, context=None) -> None:
         if key == STEP_BEGIN:
             self._snapshots = [self._snapshot()]
+            if self._has_drops:
+                self._dropped_at_begin = self._dropped()
         elif key == MICRO_STEP_END and self._snapshots:
             self._snapshots.append(self._snapshot())
 
@@ -185,6 +195,7 @@ class MoETokensMonitor(Monitor):
         if len(self._snapshots) < 2:
             self.reset()
             return []
+        dropped = self._dropped_records(step)
         counts = self._to_host(self._snapshots)            # (K + 1, layers, experts), cumulative
         per_micro_step = self._every_expert(np.rint(np.diff(counts, axis=0)).astype(np.int64))
         step_totals = self._all_ranks if self._all_ranks is not None else list(per_micro_step.sum(axis=0))
@@ -201,7 +212,14 @@ class MoETokensMonitor(Monitor):
             records.append(Record(step, None, self.rank, TOKENS_PER_EXPERT_STEP, layer.name,
                                   [int(v) for v in step_tokens]))
             records += self._summaries(step, layer.name, step_tokens)
-        return records
+        return records + dropped
+
+    def _dropped_records(self, step: int) -> List[Record]:
+        if self._dropped_at_begin is None:
+            return []
+        now = self._dropped()
+        return [Record(step, None, self.rank, MOE_DROPPED_TOKENS, layer.name, float(round(after - before)))
+                for layer, before, after in zip(self.layers, self._dropped_at_begin, now) if not np.isnan(after)]
 
     def _every_expert(self, per_micro_step: np.ndarray) -> np.ndarray:
         """(K, layers, local experts) -> (K, layers, every expert): one gather over the expert-parallel

@@ -11,6 +11,11 @@ actually chose, for each kind of router (docs/semantics.md, "Tokens per expert")
                          `e_score_correction_bias` (another attribute with `bias=`), experts cut into
                          `num_groups` groups ranked by the sum of their two best scores, the `topk_groups`
                          best groups kept, and each token's `topk` best experts among them
+    selection="mask"     output[output_index] is the router's dispatch mask after its capacity limit, one
+                         0/1 row of experts per token (Switch Transformers' router: `(expert_index,
+                         router_probs, router_logits)`, `output_index=0`): the kept tokens are counted per
+                         expert, and the dropped ones (topk per token, minus those kept) apart, in the
+                         cell's cumulative `tokens_dropped`
 
 A probe never breaks the forward: an output it cannot read is logged once, the probe detaches itself and
 training goes on. Every op is a MindSpore function, so a mindnlp model's tensors (whose methods are
@@ -24,7 +29,7 @@ import numpy as np
 from mindmon.cells import named_cells
 from mindmon.compat import with_device_of
 
-SELECTIONS = ("topk", "indices", "grouped")
+SELECTIONS = ("topk", "indices", "grouped", "mask")
 
 
 class TokensPerExpertProbe:
@@ -43,6 +48,8 @@ class TokensPerExpertProbe:
         from mindspore import Tensor
 
         self.cell.tokens_per_expert = Tensor(np.zeros(self.num_experts, np.float32))
+        if self.selection == "mask":
+            self.cell.tokens_dropped = Tensor(np.zeros((), np.float32))
 
     def detach(self) -> None:
         if self.handle is not None:
@@ -52,21 +59,42 @@ class TokensPerExpertProbe:
     def __call__(self, cell, inputs, output) -> None:
         try:
             counts = self._counts(output)
-            from mindspore import ops
-
-            total = ops.add(ops.stop_gradient(cell.tokens_per_expert), counts)
-            cell.tokens_per_expert = with_device_of((total,), (cell.tokens_per_expert,))[0]
+            if self.selection == "mask":
+                cell.tokens_dropped = self._added(cell.tokens_dropped, self._dropped(output, counts))
+            cell.tokens_per_expert = self._added(cell.tokens_per_expert, counts)
         except Exception as error:   # the user's forward goes on whatever the probe met
             self.logger.warning(f"mindmon: tokens-per-expert probe {self.name}: {type(error).__name__}: {error}; "
                                 f"the probe is detached and training goes on")
             self.detach()
 
+    @staticmethod
+    def _added(total, value):
+        from mindspore import ops
+
+        return with_device_of((ops.add(ops.stop_gradient(total), value),), (total,))[0]
+
+    def _value(self, output):
+        from mindspore import ops
+
+        return ops.stop_gradient(output if self.output_index is None else output[self.output_index])
+
+    def _dropped(self, output, counts):
+        """Every token had topk slots; those the dispatch mask does not hold were dropped."""
+        import mindspore as ms
+        from mindspore import Tensor, ops
+
+        tokens = int(np.prod(self._value(output).shape)) // self.num_experts
+        return ops.sub(Tensor(float(tokens * self.topk), ms.float32), ops.reduce_sum(counts))
+
     def _counts(self, output):
         import mindspore as ms
         from mindspore import Tensor, ops
 
-        value = output if self.output_index is None else output[self.output_index]
-        value = ops.stop_gradient(value)
+        value = self._value(output)
+        if self.selection == "mask":
+            if value.shape[-1] != self.num_experts:
+                raise ValueError(f"a dispatch mask of shape {tuple(value.shape)}; expected (..., {self.num_experts})")
+            return ops.reduce_sum(ops.reshape(ops.cast(value, ms.float32), (-1, self.num_experts)), 0)
         if self.selection == "indices":
             chosen = ops.reshape(ops.cast(value, ms.int32), (-1,))
         else:
@@ -113,6 +141,7 @@ class TokensPerExpertProbes:
         for probe in self.probes:
             probe.detach()
             probe.cell.__dict__.pop("tokens_per_expert", None)
+            probe.cell.__dict__.pop("tokens_dropped", None)
 
 
 def _check(num_experts: int, topk: int, selection: str, groups: tuple) -> None:
