@@ -245,3 +245,15 @@ def test_two_data_parallel_ranks_write_the_mean_over_both(tmp_path):
             both = [r["value"] for m in micro.values() for r in m if r["step"] == step and r["name"] == name]
             assert len(both) == 2 * K
             assert value == pytest.approx(np.mean(both), rel=1e-5), (rank, step, name)
+
+
+def test_the_report_draws_each_component(demo_run):
+    from mindmon.analysis.report import loss_plot
+    from mindmon.formats.jsonl import read_records
+
+    tmp_path, expected = demo_run
+    figure = loss_plot(read_records(str(tmp_path / "out" / "rank_0" / "metrics.jsonl")), K)
+    curves = {line.get_label(): list(line.get_ydata()) for ax in figure.axes for line in ax.get_lines()}
+    for name in ("lm loss", "load_balancing_loss", "mtp_1 loss"):
+        want = [np.mean([expected[(s, k)][name] for k in range(K)]) for s in range(1, STEPS + 1)]
+        assert curves[name] == pytest.approx(want, rel=1e-5)

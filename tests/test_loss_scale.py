@@ -259,3 +259,14 @@ def test_mindformers_trainer_records_the_skipped_updates(tmp_path):
     assert _rows(tmp_path, "skipped_steps") == {1: 1.0, 2: 2.0}
     assert _rows(tmp_path, "loss_scale") == {}   # no scaler in that loop
 
+
+
+def test_the_report_marks_the_skipped_steps_on_the_loss_plot(tmp_path):
+    from mindmon.analysis.report import SKIPPED_LABEL, loss_plot
+    from mindmon.formats.jsonl import read_records
+
+    seen = _plain_amp_loop(tmp_path)
+    figure = loss_plot(read_records(str(tmp_path / "out" / "rank_0" / "metrics.jsonl")), 1)
+    lines = [line for ax in figure.axes for line in ax.get_lines()]
+    marked = [line.get_xdata()[0] for line in lines if line.get_label() in (SKIPPED_LABEL, "_nolegend_")]
+    assert marked == [step for step, (_, finite) in enumerate(seen, start=1) if not finite]
