@@ -49,7 +49,8 @@ def train(mode: str, out: str) -> None:
     optimizer = nn.SGD(net.trainable_params(), learning_rate=LR)
     config = parse_sections({
         "monitor": {"output_dir": out, "train_state": {"local_norm": True, "local_loss": True,
-                                                       "device_norm": True, "device_loss": True}},
+                                                       "device_norm": True, "device_loss": True},
+                    **({"loss_components": {"enabled": True}} if mode == "pp" else {})},
         "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}] if mode == "tp" else []})
     group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer), layout=layout)
     train_step = AccumulatingTrainStep(net, optimizer, K, group, max_norm=MAX_NORM[mode], layout=layout)
