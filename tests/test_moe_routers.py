@@ -8,6 +8,8 @@ import logging
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.ms27
+
 EXPERTS, TOPK, GROUPS, TOPK_GROUPS, HIDDEN, TOKENS = 8, 2, 4, 2, 6, 40
 
 
