@@ -49,8 +49,8 @@ class MoEMonitorConfig:
 
     def to_dict(self) -> dict:
         layers = list(self.target_layers) if isinstance(self.target_layers, tuple) else self.target_layers
-        return {"save_tokens_per_expert_interval": self.save_tokens_per_expert_interval, "target_layers": layers,
-                "layer_pattern": self.layer_pattern}
+        out = {"save_tokens_per_expert_interval": self.save_tokens_per_expert_interval, "target_layers": layers}
+        return {**out, "layer_pattern": self.layer_pattern} if self.layer_pattern else out   # the upstream keys
 
 
 def _layer_pattern(path: str, value: Any) -> Optional[str]:
