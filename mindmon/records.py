@@ -24,6 +24,7 @@ MOE_MIN_TOKENS = "moe_min_tokens"
 MOE_MAX_TOKENS = "moe_max_tokens"
 MOE_IDLE_EXPERTS = "moe_idle_experts"         # experts that got no token in the step
 MOE_SUMMARY_KINDS = (MOE_MAX_OVER_MEAN, MOE_CV, MOE_MIN_TOKENS, MOE_MAX_TOKENS, MOE_IDLE_EXPERTS)
+MOE_DROPPED_TOKENS = "moe_dropped_tokens"     # routing slots dropped by the capacity limit in the step (this rank)
 
 # Written by rank 0 with monitor.across_ranks: name `<kind>/<parameter or layer>/<statistic>`, a statistic
 # (min, mean, max, min_rank, max_rank) over the data-parallel ranks of one per-rank value.
@@ -35,6 +36,17 @@ GRAD_NORM = "grad_norm"            # name "global": global norm of the accumulat
 LEARNING_RATE = "learning_rate"    # name "lr": lr_scheduler(step), as MindFormers' LossCallback prints it
 SAMPLES = "samples"                # name "consumed": samples consumed after the step (step x global batch size)
 MAX_NORM = "max_norm"              # name "global": the clipping threshold in force (written with grad_norm, clipping on)
+
+# Per-step values of mixed-precision training (the loss_scale feature); micro_step is None.
+LOSS_SCALE = "loss_scale"          # name "scale": the loss scale after the step's adjustment (the next step's)
+OVERFLOW = "overflow"              # name "grads": 1.0 when the step's gradients were not finite, else 0.0
+UPDATE_SKIPPED = "update_skipped"  # name "update": 1.0 when the optimizer's update was not applied, else 0.0
+SKIPPED_STEPS = "skipped_steps"    # name "total": steps skipped so far in this process, this one in
+LOSS_SCALE_KINDS = (LOSS_SCALE, OVERFLOW, UPDATE_SKIPPED, SKIPPED_STEPS)
+
+# The parts of a model's loss (the loss_components feature); `name` is the component ("lm loss", ...).
+LOSS_COMPONENT = "loss_component"            # one micro-batch's value of the component (not divided by K)
+LOSS_COMPONENT_STEP = "loss_component_step"  # its mean over the step's micro-batches and the data-parallel ranks
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Example (a plain MindSpore loop):
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-from mindspore import ops, value_and_grad
+from mindspore import Tensor, ops, value_and_grad
 
 from mindmon.compat import narrow, with_device_of
 from mindmon.config import check_max_norm
@@ -70,11 +70,17 @@ class AccumulatingTrainStep:
     `loss_fn` takes one micro-batch (a dict as keyword-free single argument, or a tuple spread
     as positional arguments) and returns the scalar loss. `group` may be None or inactive: then
     nothing is recorded and the step costs what plain accumulation costs.
+
+    `loss_scaler` (a mindspore.amp DynamicLossScaler or StaticLossScaler, for float16 models) scales
+    each micro-batch's loss before its backward and unscales its gradients after; once per step it
+    is adjusted with whether the global norm was finite. Every step records `loss_scale` (the scale
+    after that adjustment, whether the gradients overflowed, whether the update was skipped) for the
+    loss_scale feature.
     """
 
     def __init__(self, loss_fn: Callable, optimizer, num_micro_steps: int, group=None,
                  max_norm: float = 1.0, on_host: Optional[bool] = None,
-                 data_parallel: Optional[DataParallel] = None, layout=None):
+                 data_parallel: Optional[DataParallel] = None, layout=None, loss_scaler=None):
         if num_micro_steps < 1:
             raise ValueError(f"num_micro_steps: got {num_micro_steps}; allowed: a positive int")
         check_optimizer(optimizer)
@@ -87,6 +93,9 @@ class AccumulatingTrainStep:
             group.set_max_norm(self.max_norm)
         self.on_host = host_is_device() if on_host is None else on_host
         self.data_parallel = data_parallel or (layout.data_parallel if layout is not None else DataParallel())
+        # A mindspore.amp loss scaler (float16 training): the loss is multiplied by its scale before the
+        # backward, each micro-batch's gradients divided by it after, and it is adjusted once per step.
+        self.loss_scaler = loss_scaler
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
         # On CPU with float32 parameters the gradients are summed in one numpy buffer (stats.py).
         parameters = list(optimizer.parameters)
@@ -97,7 +106,10 @@ class AccumulatingTrainStep:
 
     def _scaled_loss(self, *args):
         loss = self.loss_fn(*args)
-        return loss / self.num_micro_steps, ops.stop_gradient(loss)
+        scaled = loss / self.num_micro_steps
+        if self.loss_scaler is not None:
+            scaled = self.loss_scaler.scale(scaled)
+        return scaled, ops.stop_gradient(loss)
 
     def __call__(self, micro_batches: Sequence[Batch]):
         group = self.group if self.group is not None and self.group.active else None
@@ -119,9 +131,14 @@ class AccumulatingTrainStep:
             accumulated = self._clip(reduced, grad_norm)
         # Asked at every step: the group's actions may take part in a collective.
         skip = self.group is not None and self.group.should_skip_update(grad_norm)
-        if np.isfinite(grad_norm) and not skip:
+        applied = bool(np.isfinite(grad_norm)) and not skip
+        if applied:
             self.optimizer(with_device_of(accumulated, self._parameters))
+        if self.loss_scaler is not None:
+            self.loss_scaler.adjust(Tensor(bool(np.isfinite(grad_norm))))
         if group is not None:
+            group.record("loss_scale", self.loss_scaler,
+                         {"overflow": not np.isfinite(grad_norm), "skipped": not applied})
             group.record("device_loss", mean_loss)
             if self.model_parallel is None:   # the model-parallel step recorded it before its sums
                 # Several ranks: the norm of the data-parallel mean, before clipping; one rank: A_{K-1}.
@@ -152,6 +169,8 @@ class AccumulatingTrainStep:
         for k, batch in enumerate(micro_batches):
             args = (batch,) if isinstance(batch, dict) else tuple(batch)
             (_, loss), grads = self.grad_fn(*args)
+            if self.loss_scaler is not None:
+                grads = self.loss_scaler.unscale(grads)
             grads = with_device_of(grads, self._parameters)   # mindnlp's tensors need a device tag
             loss = with_device_of((loss,), self._parameters[:1])[0]
             if host is not None:
@@ -169,6 +188,7 @@ class AccumulatingTrainStep:
                     group.record("local_loss", loss, context)   # (a pipeline's come from its last stage)
                 group.record("local_norm", snapshot, context)
                 group.record("moe_tpe", context=context)
+                group.record("loss_components", None, context)   # the model's parts of this micro-batch's loss
         self._losses = losses
         return accumulated, sum(losses[1:], losses[0])
 

@@ -129,7 +129,13 @@ class PipelineStage(nn.Cell):
         # The received activation must depend on a parameter, or the backward exchange would not run here.
         zeros = ops.zeros((x.shape[0], x.shape[1], ref.PIPE_HIDDEN), ms.float32) + 0.0 * self.bias.sum()
         y = mint.matmul(self.exchange(zeros), self.weight) + self.bias
-        return ((y - target) ** 2).mean()
+        loss = ((y - target) ** 2).mean()
+        self._parts = {"mse": ops.stop_gradient(loss)}
+        return loss
+
+    def get_loss_components(self):
+        """The loss's one part, on the last stage only (the first stage computes no loss: none)."""
+        return dict(getattr(self, "_parts", {}))
 
 
 class ExpertParallelRouter(nn.Cell):

@@ -51,7 +51,8 @@ def train(mode: str, out: str) -> None:
     optimizer = nn.SGD(net.trainable_params(), learning_rate=LR)
     config = parse_sections({
         "monitor": {"output_dir": out, "train_state": {"local_norm": True, "local_loss": True,
-                                                       "device_norm": True, "device_loss": True}},
+                                                       "device_norm": True, "device_loss": True},
+                    **({"loss_components": {"enabled": True}} if mode == "pp" else {})},
         "monitor_config": {"monitor_on": True, "weight_state_format": "log"},
         "callbacks": [{"type": "MaxLogitsMonitor", "step_interval": 1}] if mode == "tp" else []})
     group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer), layout=layout)

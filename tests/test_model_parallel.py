@@ -174,6 +174,24 @@ def test_pp_losses_come_from_the_last_stage_on_every_rank(pp_run):
                    [h["device_loss"] for h in history])
 
 
+def test_pp_loss_components_come_from_the_last_stage(pp_run):
+    """Only the last stage computes the loss: its ranks write its component per micro-batch and its mean
+    over the micro-batches of both data-parallel replicas; the first stage's ranks write none, and say nothing."""
+    _, records, _, logs, history = pp_run
+    for rank in range(RANKS):
+        coordinates = _coordinates(rank, 1, 2)
+        micro, step = _values(records[rank], "loss_component"), _values(records[rank], "loss_component_step")
+        assert "LossComponentsMonitor failed" not in logs[rank]
+        if coordinates["pp"] == 0:
+            assert micro == {} and step == {}
+            continue
+        assert len(micro) == 2 * worker.K
+        for (s, k, name), value in micro.items():
+            assert name == "mse"
+            _close(value, history[s - 1]["losses"][coordinates["dp"]][k])
+        _close([step[(s, None, "mse")] for s in (1, 2)], [h["device_loss"] for h in history])
+
+
 def test_pp_norms_per_stage_and_global_over_both_stages(pp_run):
     _, records, params, _, history = pp_run
     for rank in range(RANKS):

@@ -65,8 +65,33 @@ def test_first_counter_of_a_layer_wins():
 def test_counter_outside_the_layer_names_is_a_config_error():
     with pytest.raises(ConfigError) as error:
         find_moe_layers(Holder(blocks=Holder(moe=Counter())))
-    assert str(error.value) == ("monitor.moe_monitor: the MoE module 'blocks.moe' is neither under "
-                                "'decoder.layers.<L>' nor 'mtp.layers.<i>'; allowed: MindFormers-style names")
+    assert str(error.value).startswith("monitor.moe_monitor: the MoE module 'blocks.moe' is under no layer name "
+                                       "mindmon knows (")
+    assert str(error.value).endswith("'mtp.layers.<i>'); allowed: monitor.moe_monitor.layer_pattern, a regular "
+                                     "expression whose group is the layer id")
+
+
+def test_layer_names_of_other_schemes_and_a_configured_pattern():
+    from mindmon.features.moe_tokens.config import MoEMonitorConfig
+
+    hf = Holder(model=Holder(layers=nn.CellList([Holder(mlp=Holder(gate=Counter())) for _ in range(2)])))
+    assert {name: layer.module for name, (layer, _) in find_moe_layers(hf).items()} == {
+        "decoder.layers.0": "model.layers.0.mlp.gate", "decoder.layers.1": "model.layers.1.mlp.gate"}
+    custom = Holder(trunk=Holder(stage3=Holder(moe=Counter())))
+    config = MoEMonitorConfig(1, None, r"\.stage(\d+)\.")
+    assert list(find_moe_layers(custom, config)) == ["decoder.layers.3"]
+    assert decoder_layer_count(custom, config) == 4
+
+
+@pytest.mark.parametrize("pattern, message", [
+    (r"layer(\d+", "does not compile"), (r"layer\d+", "it has 0 groups"), (5, "got 5"),
+])
+def test_a_bad_layer_pattern_is_one_clean_line(pattern, message):
+    from mindmon.features import parse_sections
+
+    with pytest.raises(ConfigError, match=r"monitor\.moe_monitor\.layer_pattern") as error:
+        parse_sections({"monitor": {"moe_monitor": {"save_tokens_per_expert_interval": 1, "layer_pattern": pattern}}})
+    assert message in str(error.value)
 
 
 def test_target_layers_select_and_refuse_exactly(caplog):

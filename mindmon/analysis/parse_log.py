@@ -2,9 +2,9 @@
 
 Understood lines (anywhere after the logger's prefix, whichever prefix format it has) are those of
 mindmon.formats.log_lines: MindFormers' LossCallback line (-> loss, learning_rate, grad_norm, and
-samples when the log says `global_batch_size=N`), mindmon's train_state markers and values,
-tokens per expert (upstream's per-micro-step line and Megatron's per-step line), and the max
-attention logit per layer with its mean and max. Upstream's variants (a padded norm value, a
+samples when the log says `global_batch_size=N`), mindmon's train_state markers and values, the
+loss-scale and loss-components lines, tokens per expert (upstream's per-micro-step line and
+Megatron's per-step line), and the max attention logit per layer with its mean and max. Upstream's variants (a padded norm value, a
 `local_loss` line carrying its step) are read too. Any other line is counted and skipped.
 
 Example:
@@ -21,14 +21,14 @@ from mindmon.engine import RunInfo
 from mindmon.formats import log_lines, megatron_tpe, training_state_log
 from mindmon.formats.layout import rank_in_path
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
-                       MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
+                       LOSS_COMPONENT_STEP, MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
 from mindmon.sinks.jsonl import JsonlSink
 
 BATCH_LINE = re.compile(r"global_batch_size=(?P<gbs>\d+), num_accumulation_steps=\d+")
 # A line that mentions a monitor key but matched no format: cut short, or a format this version
 # does not know. Counted apart from the log's other lines.
-MONITOR_HINT = re.compile(r'\{.*"(?:local_norm|device_norm|local_loss|device_loss|tpe)"|' + MAX_ATTENTION_LOGIT
-                          + r"/|\{ step:\[")
+MONITOR_HINT = re.compile(r'\{.*"(?:local_norm|device_norm|local_loss|device_loss|tpe|update_skipped|'
+                          r'loss_components)"|' + MAX_ATTENTION_LOGIT + r"/|\{ step:\[")
 WORKER_IN_PATH = re.compile(r"worker_(\d+)")
 
 
@@ -63,6 +63,8 @@ class LogParser:
                           (log_lines.MAX_LOGIT_LINE, self._max_logit), (log_lines.NORM_LINE, self._norm),
                           (log_lines.MARKER_LINE, self._marker), (log_lines.LOCAL_LOSS_LINE, self._local_loss),
                           (log_lines.DEVICE_LOSS_LINE, self._device_loss),
+                          (log_lines.LOSS_SCALE_LINE, self._loss_scale),
+                          (log_lines.LOSS_COMPONENTS_LINE, self._loss_components),
                           (log_lines.TOKENS_PER_EXPERT_LINE, self._tokens_per_expert), (BATCH_LINE, self._batch))
 
     def feed(self, line: str) -> List[Record]:
@@ -141,6 +143,15 @@ class LogParser:
     def _device_loss(self, match) -> List[Record]:
         self._enter_step(int(match["step"]))
         return [self._record(DEVICE_LOSS, "loss", float(match["value"]))]
+
+    def _loss_scale(self, match) -> List[Record]:
+        self._enter_step(int(match["step"]))
+        return [self._record(kind, name, value) for kind, name, value in log_lines.read_loss_scale_line(match)]
+
+    def _loss_components(self, match) -> List[Record]:
+        self._enter_step(int(match["step"]))
+        parts = json.loads(match["parts"])
+        return [self._record(LOSS_COMPONENT_STEP, name, float(value)) for name, value in parts.items()]
 
     def _local_loss(self, match) -> List[Record]:
         micro_step = int(match["micro_step"])

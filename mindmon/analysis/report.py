@@ -1,8 +1,8 @@
 """`mindmon report RUN_DIR`: one self-contained HTML page (PNG figures inlined) from a run's JSONL.
 
-Figures, per rank, for what the run recorded: loss per micro-batch and per step (with grad norm
-and learning rate), a gradient-norm heat map (parameter groups x steps), a tokens-per-expert heat
-map per MoE layer with an imbalance table, and the max attention logit per layer and per head.
+Figures, per rank, for what the run recorded: loss per micro-batch and per step (with the loss
+components, the steps whose update was skipped, grad norm and learning rate), a gradient-norm heat
+map (parameter groups x steps), a tokens-per-expert heat map per MoE layer with an imbalance table, and the max attention logit per layer and per head.
 Works on a run still in progress (it plots the steps written so far).
 
 Example:
@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
-                      MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT, Record)
+                      LOSS_COMPONENT_STEP, MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT,
+                      UPDATE_SKIPPED, Record)
 from mindmon.formats.columnar import records_of
 from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, Engine, skipped_lines_sql
 from mindmon.analysis.to_tensorboard import rank_shape
@@ -99,6 +100,23 @@ def nonfinite_summary(records: List[Record]) -> Dict[str, List[int]]:
 
 
 THRESHOLD_LABEL = "clipping threshold (max_norm)"
+SKIPPED_LABEL = "update skipped"
+
+
+def _loss_components(ax, records: List[Record]) -> None:
+    """Each loss component's per-step value (its mean over the micro-batches), dashed, next to the loss."""
+    parts = _of(records, LOSS_COMPONENT_STEP)
+    for name in dict.fromkeys(r.name for r in parts):
+        series = [r for r in parts if r.name == name]
+        _plot(ax, series, [r.step for r in series], "--", linewidth=1, label=name)
+
+
+def _mark_skipped(ax, records: List[Record]) -> None:
+    """A vertical band at every step whose update was skipped (an overflow, a guard)."""
+    skipped = [r.step for r in _of(records, UPDATE_SKIPPED) if r.value >= 0.5]
+    for index, step in enumerate(skipped):
+        ax.axvline(step, color="tab:orange", alpha=0.5, linewidth=2,
+                   label=SKIPPED_LABEL if index == 0 else "_nolegend_")
 
 
 def loss_figure(records: List[Record], micro_steps: int) -> Optional[str]:
@@ -129,7 +147,7 @@ def loss_plot(records: List[Record], micro_steps: int):
     below it the grad-norm panel when the run recorded grad_norm or learning_rate."""
     micro, step_loss = _of(records, LOCAL_LOSS), _of(records, DEVICE_LOSS) or _of(records, LOSS)
     norm, lr = _of(records, GRAD_NORM), _of(records, LEARNING_RATE)
-    if not (micro or step_loss or norm or lr):
+    if not (micro or step_loss or norm or lr or _of(records, LOSS_COMPONENT_STEP)):
         return None
     fig, axes = _figure(2 if (norm or lr) else 1)
     ax = axes[0][0]
@@ -139,6 +157,8 @@ def loss_plot(records: List[Record], micro_steps: int):
     if step_loss:
         _plot(ax, step_loss, [r.step for r in step_loss], "-o", color="tab:blue", markersize=3,
               label=f"per step ({step_loss[0].kind})")
+    _loss_components(ax, records)
+    _mark_skipped(ax, records)
     ax.set(title="Loss", xlabel="step", ylabel="loss")
     ax.legend(loc="upper right")
     if norm or lr:
@@ -252,7 +272,7 @@ def _table(rows: Dict[str, Dict[str, float]]) -> str:
 
 # The kinds the figures draw; local_norm (four times device_norm's rows) only when a rank has no device_norm.
 FIGURE_KINDS = (LOCAL_LOSS, DEVICE_LOSS, LOSS, GRAD_NORM, LEARNING_RATE, MAX_NORM, DEVICE_NORM, TOKENS_PER_EXPERT,
-                MOE_MAX_OVER_MEAN, MAX_ATTENTION_LOGIT)
+                MOE_MAX_OVER_MEAN, MAX_ATTENTION_LOGIT, LOSS_COMPONENT_STEP, UPDATE_SKIPPED)
 
 
 def figure_records(engine, rank: int) -> List[Record]:

@@ -296,7 +296,8 @@ def _log_softmax_nll(logits, labels, vocab_size):
 class DemoMoEGPT(nn.Cell):
     """The demo model: `construct(input_ids, labels)` returns `(loss,)`.
 
-    loss = next-token cross entropy + mtp_loss_scale x MTP cross entropy + router balance losses.
+    loss = next-token cross entropy + mtp_loss_scale x MTP cross entropy + router balance losses
+    (`get_loss_components()`: each part by name).
     Max-logit tracking is off until `track_max_attention_logit = True`.
 
     Example:
@@ -331,15 +332,20 @@ class DemoMoEGPT(nn.Cell):
     def construct(self, input_ids, labels):
         batch, seq = input_ids.shape
         hidden, normed, aux_loss = self.decoder(self.embedding(input_ids), self._mask(batch, seq))
-        loss = _log_softmax_nll(self.output_layer(normed), labels.reshape(-1), self.config.vocab_size)
-        loss = loss + aux_loss
+        lm_loss = _log_softmax_nll(self.output_layer(normed), labels.reshape(-1), self.config.vocab_size)
+        loss = lm_loss + aux_loss
+        parts = {"lm loss": lm_loss, "load_balancing_loss": aux_loss}
         if self.mtp is not None:
-            loss = loss + self._mtp_loss(hidden, input_ids, labels)
+            loss = loss + self._mtp_loss(hidden, input_ids, labels, parts)
+        self._loss_components = {name: ops.stop_gradient(part) for name, part in parts.items()}
         return (loss,)
 
-    def _mtp_loss(self, hidden, input_ids, labels):
+    def _mtp_loss(self, hidden, input_ids, labels, parts):
+        """The MTP loss; `parts` gets `mtp_<d> loss` (depth d's cross entropy) and the MTP routers' balance
+        losses on `load_balancing_loss`, each weighted by mtp_loss_scale / depths as the loss counts them."""
         batch, seq = input_ids.shape
         total = ops.zeros((), ms.float32)
+        weight = self.config.mtp_loss_scale / len(self.mtp.layers)
         for depth, layer in enumerate(self.mtp.layers, start=1):
             # Depth d predicts token t+1+d from the state at t and the embedding of token t+d.
             length = seq - depth
@@ -347,9 +353,18 @@ class DemoMoEGPT(nn.Cell):
             next_embeddings = self.embedding(narrow(input_ids, 1, depth, length))
             hidden, aux_loss = layer(hidden, next_embeddings, self._mask(batch, length))
             depth_labels = narrow(labels, 1, depth, length).reshape(-1)
-            total = total + _log_softmax_nll(self.output_layer(hidden), depth_labels, self.config.vocab_size)
+            cross_entropy = _log_softmax_nll(self.output_layer(hidden), depth_labels, self.config.vocab_size)
+            total = total + cross_entropy
             total = total + aux_loss
+            parts[f"mtp_{depth} loss"] = weight * cross_entropy
+            parts["load_balancing_loss"] = parts["load_balancing_loss"] + weight * aux_loss
         return self.config.mtp_loss_scale * total / len(self.mtp.layers)
+
+    def get_loss_components(self) -> Dict[str, Tensor]:
+        """The parts of the last forward's loss, which add up to it: `lm loss` (next-token cross entropy),
+        `load_balancing_loss` (every router's balance loss, the MTP layers' weighted as the MTP loss),
+        `mtp_<d> loss` (depth d's cross entropy x mtp_loss_scale / depths). Megatron's names."""
+        return dict(getattr(self, "_loss_components", {}))
 
     def _mask(self, batch: int, seq: int) -> Tensor:
         """Block-diagonal causal mask over the flattened (batch * seq) tokens, built once per shape."""

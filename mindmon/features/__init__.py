@@ -6,16 +6,18 @@ written in this order too). Adding one: docs/architecture.md, "Adding a capabili
 from typing import List
 
 from mindmon.config import MindmonConfig, parse_config
-from mindmon.features import (across_ranks, alerts, max_logits, moe_tokens, monitor_config, profiler, tensor_stats,
-                              train_state)
+from mindmon.features import (across_ranks, alerts, loss_components, loss_scale, max_logits, moe_tokens,
+                              monitor_config, profiler, tensor_stats, train_state)
 
 FEATURES = (
     train_state.FEATURE,
+    loss_scale.FEATURE,
     moe_tokens.FEATURE,
     max_logits.FEATURE,
     tensor_stats.FEATURE,
     alerts.FEATURE,
     monitor_config.FEATURE,
+    loss_components.FEATURE,   # after monitor_config: its TensorBoard tags wrap monitor_config's
     profiler.FEATURE,
     across_ranks.FEATURE,   # after train_state and moe_monitor: it reads their sections and monitor
 )

@@ -12,12 +12,15 @@ then for the step:
     { "step": S }                                       marker before the device_norm lines
     { "device_norm": <parameter name>: 1.234567 }
     { "step": S, "device_loss": 0.123 }
+    { "step": S, "loss_scale": 32768.0, "overflow": true, "update_skipped": true, "skipped_steps": 3 }
+    { "step": S, "loss_components": {"lm loss": 3.4, "load_balancing_loss": 0.010234, "mtp_1 loss": 1.02} }
     step:[    S/  MAX] max_attention_logit/<layer>: [1.5, 12.25]     4 significant digits per head
     step:[    S/  MAX] max_attention_logit/mean: 4.219                 over every head of every layer
     step:[    S/  MAX] max_attention_logit/max: 12.25
 
-MAX is the run's step count (`?` when the loop did not say). Non-finite values print as `nan`,
-`inf`, `-inf` and read back as such. MindFormers' own LossCallback line, which mindmon reads and
+(the loss-scale line without `"loss_scale"` when the loop has no scaler). MAX is the run's step count
+(`?` when the loop did not say). Non-finite values print as `nan`,
+`inf`, `-inf` (`NaN`, `Infinity` in the JSON of the loss components) and read back as such. MindFormers' own LossCallback line, which mindmon reads and
 never writes: `{ step:[    1/    3], loss:   4.844477, ..., lr: 1.5e-03, grad_norm:   1.19, ... }`.
 """
 import json
@@ -25,8 +28,10 @@ import re
 from itertools import groupby
 from typing import List, Optional
 
-from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT,
-                       MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, TOKENS_PER_EXPERT, Record)
+from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
+                       LOSS_SCALE_KINDS,
+                       MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SKIPPED_STEPS,
+                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, Record)
 from mindmon.formats.megatron_tpe import layer_fields
 
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|NaN|inf|Infinity)"
@@ -43,6 +48,13 @@ LOCAL_LOSS_LINE = re.compile(r'\{ ?(?:"step": (?P<step>\d+), )?"micro_step": (?P
                              r'"local_loss": (?P<value>' + NUMBER + r') ?\}')
 DEVICE_LOSS_LINE = re.compile(r'\{ ?"step": (?P<step>\d+), "device_loss": (?P<value>' + NUMBER + r') ?\}')
 TOKENS_PER_EXPERT_LINE = re.compile(r'(\{"iter": .*"tpe": .*\})\s*$')
+LOSS_SCALE_LINE = re.compile(r'\{ "step": (?P<step>\d+), (?:"loss_scale": (?P<scale>' + NUMBER + r'), )?'
+                             r'"overflow": (?P<overflow>true|false), "update_skipped": (?P<skipped>true|false), '
+                             r'"skipped_steps": (?P<count>\d+) \}')
+LOSS_COMPONENTS_LINE = re.compile(r'\{ "step": (?P<step>\d+), "loss_components": (?P<parts>\{.*\}) \}\s*$')
+# The loss-scale line's fields: record kind -> (field, the record's name).
+LOSS_SCALE_FIELDS = {LOSS_SCALE: ("loss_scale", "scale"), OVERFLOW: ("overflow", "grads"),
+                     UPDATE_SKIPPED: ("update_skipped", "update"), SKIPPED_STEPS: ("skipped_steps", "total")}
 
 
 def loss_text(value: float) -> str:
@@ -80,6 +92,37 @@ def _micro_step_lines(micro_step: int, records: List[Record]) -> List[str]:
     return lines
 
 
+def loss_scale_line(records: List[Record]) -> List[str]:
+    """The step's loss-scale line, from its loss_scale records (none without them)."""
+    values = {r.kind: r.value for r in records if r.kind in LOSS_SCALE_KINDS}
+    if OVERFLOW not in values:
+        return []
+    fields = [f'"step": {next(r.step for r in records if r.kind == OVERFLOW)}']
+    if LOSS_SCALE in values:
+        fields.append(f'"loss_scale": {float(values[LOSS_SCALE])!r}')
+    fields += [f'"overflow": {json.dumps(bool(values[OVERFLOW]))}',
+               f'"update_skipped": {json.dumps(bool(values[UPDATE_SKIPPED]))}',
+               f'"skipped_steps": {int(values[SKIPPED_STEPS])}']
+    return ["{ " + ", ".join(fields) + " }"]
+
+
+def loss_components_line(records: List[Record]) -> List[str]:
+    """The step's loss components (their means over the step), at most 6 decimals each, by name."""
+    parts = [r for r in records if r.kind == LOSS_COMPONENT_STEP]
+    if not parts:
+        return []
+    values = json.dumps({r.name: round(float(r.value), 6) for r in parts})   # NaN, Infinity: JSON reads them back
+    return [f'{{ "step": {parts[0].step}, "loss_components": {values} }}']
+
+
+def read_loss_scale_line(match) -> List[tuple]:
+    """(kind, name, value) of a loss-scale line's fields, in the order the monitor writes them."""
+    values = {LOSS_SCALE: None if match["scale"] is None else float(match["scale"]),
+              OVERFLOW: float(match["overflow"] == "true"), UPDATE_SKIPPED: float(match["skipped"] == "true"),
+              SKIPPED_STEPS: float(match["count"])}
+    return [(kind, LOSS_SCALE_FIELDS[kind][1], value) for kind, value in values.items() if value is not None]
+
+
 def _max_logit_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     lines = []
     for record in records:
@@ -104,7 +147,7 @@ def format_lines(records: List[Record], max_steps: Optional[int] = None) -> List
     lines += _norm_block(f'{{ "step": {device_norms[0].step} }}' if device_norms else "", DEVICE_NORM, device_norms)
     lines.extend(f'{{ "step": {r.step}, "device_loss": {loss_text(r.value)} }}'
                  for r in records if r.kind == DEVICE_LOSS)
-    return lines + _max_logit_lines(records, max_steps)
+    return lines + loss_scale_line(records) + loss_components_line(records) + _max_logit_lines(records, max_steps)
 
 
 def parse_heads(text: str) -> List[float]:

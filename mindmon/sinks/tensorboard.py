@@ -1,8 +1,9 @@
 """TensorBoard event files, per rank: `<tensorboard_dir>/rank_<r>/events.out.tfevents.*`.
 
-Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate`,
-`max_attention_logit`), and `<kind>/<name>[/<index>]` otherwise (the max attention logit over every head of every layer is
-Megatron's `max_attention_logit`, their mean `max_attention_logit/mean`). Step-level values are
+Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate`, `loss-scale`,
+`max_attention_logit`), `<kind>` for the losses and the overflow flags (`overflow`, `update_skipped`,
+`skipped_steps`), and `<kind>/<name>[/<index>]` otherwise (the max attention logit over every head of every
+layer is Megatron's `max_attention_logit`, their mean `max_attention_logit/mean`). Step-level values are
 plotted against the training step; micro-step values against the global micro-step
 (mindmon.formats.layout).
 When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
@@ -16,16 +17,16 @@ from mindmon.engine import RunInfo, Sink
 from mindmon.sinks.lines import unwritable
 from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.formats.layout import global_micro_step, rank_dir
-from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
-                       MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, SAMPLES, TOKENS_PER_EXPERT,
-                       TOKENS_PER_EXPERT_STEP, Record, TensorStatsRecord)
+from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, LOSS_SCALE, MAX_ATTENTION_LOGIT,
+                       MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SAMPLES, SKIPPED_STEPS,
+                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, UPDATE_SKIPPED, Record, TensorStatsRecord)
 
 # Megatron's names for the scalars it also plots, as tensorboardX writes them (it turns the
 # characters TensorBoard does not allow in a tag, such as spaces, into "_": "lm loss" -> "lm_loss").
 MEGATRON_TAGS = {LOSS: "lm_loss", GRAD_NORM: "grad-norm", LEARNING_RATE: "learning-rate",
-                 MAX_ATTENTION_LOGIT_MAX: MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MEAN: f"{MAX_ATTENTION_LOGIT}/mean"}
+                 LOSS_SCALE: "loss-scale", MAX_ATTENTION_LOGIT_MAX: MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MEAN: f"{MAX_ATTENTION_LOGIT}/mean"}
 # One curve per kind: the record's name ("loss") adds nothing.
-KIND_TAGS = (DEVICE_LOSS, LOCAL_LOSS)
+KIND_TAGS = (DEVICE_LOSS, LOCAL_LOSS, OVERFLOW, UPDATE_SKIPPED, SKIPPED_STEPS)
 VS_SAMPLES = "_vs_samples"
 
 

@@ -23,6 +23,7 @@ RULE_ARGS = {  # rule_name -> {arg: required?}
     "AnomalyNan": {"threshold": False},
     "LossSpike": {"threshold": False, "window": False, "min_history": False},
     "MoELoadImbalance": {"threshold": True},
+    "SkippedSteps": {"threshold": True},
 }
 # Which config a block came from: msprobe's and kj600's config.json follow msprobe's rules (its
 # AnomalyTurbulence, 0-based steps in the dump); mindmon's YAML follows mindmon's.
@@ -55,6 +56,8 @@ def _names(path: str, value: Any) -> Tuple[str, ...]:
 
 
 def _rule_arg(path: str, rule_name: str, key: str, value: Any):
+    if key == "threshold" and rule_name == "SkippedSteps":
+        return _positive_int(path, value)   # a count of steps
     if key == "threshold":
         return _number(path, value, 1.0 if rule_name == "MoELoadImbalance" else 0.0)
     if key == "window":

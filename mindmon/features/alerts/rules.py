@@ -14,6 +14,10 @@ Exact definitions (docs/alerts.md repeats them):
         `min_history` values, their median m is > 0 and x > threshold * m.
     MoELoadImbalance(threshold)
         fires when x > threshold (x = busiest expert's tokens / mean tokens per expert).
+    SkippedSteps(threshold)
+        reads `update_skipped` (1: the step's update was skipped, 0: applied); fires at the step
+        that makes `threshold` skipped steps in a row, once per such run (the next firing needs an
+        applied step first).
 
 Every finite value enters the history of every rule that reads its series, whether it fired or
 not; non-finite values enter no history (AnomalyNan reports them).
@@ -34,9 +38,11 @@ KIND_STATISTICS = {
     "local_loss": "loss", "device_loss": "loss", "loss": "loss",
     "max_attention_logit": "max",
     "moe_max_over_mean": "max_over_mean", "moe_cv": "cv",
-    "moe_min_tokens": "min", "moe_max_tokens": "max", "moe_idle_experts": "count",
+    "moe_min_tokens": "min", "moe_max_tokens": "max", "moe_idle_experts": "count", "moe_dropped_tokens": "count",
     "tokens_per_expert": "tokens", "tokens_per_expert_step": "tokens",
     "learning_rate": "lr", "samples": "count",
+    "loss_scale": "scale", "overflow": "flag", "update_skipped": "flag", "skipped_steps": "count",
+    "loss_component": "loss", "loss_component_step": "loss",
     "adam_update_histogram": "histogram", "adam_ratio_histogram": "histogram",
 }
 NOT_JUDGED = ("histogram",)   # counts of a distribution, not a value of the run: no rule reads them
@@ -196,7 +202,26 @@ class MoELoadImbalance(Rule):
         return None
 
 
-RULES = {rule.NAME: rule for rule in (AnomalyTurbulence, AnomalyNan, LossSpike, MoELoadImbalance)}
+class SkippedSteps(Rule):
+    """A dynamic loss scale halves at every overflow; a run whose updates are skipped many steps in a
+    row is not training (a NaN in the data or the weights, or a scale that cannot go low enough)."""
+
+    NAME = "SkippedSteps"
+    DEFAULT_KINDS = ("update_skipped",)
+
+    def __init__(self, threshold: int, **selection):
+        super().__init__(**selection)
+        self.threshold = int(threshold)
+        self._in_a_row: Dict[SeriesKey, int] = {}
+
+    def judge(self, series, x):
+        in_a_row = self._in_a_row[series] = self._in_a_row.get(series, 0) + 1 if x >= 0.5 else 0
+        if in_a_row == self.threshold:
+            return Verdict(self.NAME, f"{in_a_row} skipped steps in a row")
+        return None
+
+
+RULES = {rule.NAME: rule for rule in (AnomalyTurbulence, AnomalyNan, LossSpike, MoELoadImbalance, SkippedSteps)}
 
 
 def first_verdict(rules: Sequence[Rule], series: SeriesKey, x: float) -> Optional[Verdict]:

@@ -13,18 +13,22 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from mindmon.compat import named_cells
 from mindmon.config import ConfigError, short_repr
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
 from mindmon.engine import Monitor
 from mindmon.formats.layout import global_micro_step
-from mindmon.records import (MOE_CV, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS, MOE_MIN_TOKENS,
-                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
+from mindmon.records import (MOE_CV, MOE_DROPPED_TOKENS, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS,
+                       MOE_MIN_TOKENS, TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
 STEP_BEGIN = "moe_tpe_step_begin"
 MICRO_STEP_END = "moe_tpe"
 
-_DECODER_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)(?:\.|$)")
 _MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)(?:\.|$)")
+# Decoder layers of the other common schemes: HuggingFace (`model.layers.<L>.mlp.gate`), GPT-2 style
+# (`transformer.h.<L>`), plain `layers.<L>` / `blocks.<L>`. Each names the layer `decoder.layers.<L>`.
+BUILT_IN_LAYER_PATTERNS = (r"(?:^|\.)decoder\.layers\.(\d+)(?:\.|$)", r"(?:^|\.)model\.layers\.(\d+)(?:\.|$)",
+                           r"(?:^|\.)h\.(\d+)(?:\.|$)", r"(?:^|\.)(?:layers|blocks)\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -36,43 +40,59 @@ class MoELayer:
     module: str
 
 
-def find_moe_layers(model) -> Dict[str, tuple]:
-    """{record name: (MoELayer, cell)} for every cell with a `tokens_per_expert` tensor, in model order.
+def layer_patterns(config: MoEMonitorConfig) -> List["re.Pattern"]:
+    """`layer_pattern` (its one group: the layer id) first, then the built-in schemes."""
+    patterns = ((config.layer_pattern,) if config.layer_pattern else ()) + BUILT_IN_LAYER_PATTERNS
+    return [re.compile(p) for p in patterns]
 
-    MTP layers (`mtp.layers.<i>...`) are matched first, since their inner transformer layer may
-    itself be named like a decoder layer.
-    """
-    found = {}
-    for module, cell in model.cells_and_names():
+
+def _layer_id(module: str, patterns) -> Optional[int]:
+    for pattern in patterns:
+        match = pattern.search(module)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def find_moe_layers(model, config: MoEMonitorConfig = MoEMonitorConfig()) -> Dict[str, tuple]:
+    """{record name: (MoELayer, cell)} for every cell (or mindnlp module) with a `tokens_per_expert`
+    tensor, in model order: `mtp.layers.<i>` for MTP layers (matched first, since their inner transformer
+    layer may itself be named like a decoder layer), `decoder.layers.<L>` for a decoder layer of any
+    scheme (`layer_patterns`)."""
+    found, patterns = {}, layer_patterns(config)
+    for module, cell in named_cells(model):
         if getattr(cell, "tokens_per_expert", None) is None:
             continue
-        mtp, decoder = _MTP_LAYER.search(module), _DECODER_LAYER.search(module)
+        mtp, decoder = _MTP_LAYER.search(module), _layer_id(module, patterns)
         if mtp:
             layer = MoELayer(f"mtp.layers.{mtp.group(1)}", module)
-        elif decoder:
-            layer = MoELayer(f"decoder.layers.{decoder.group(1)}", module)
+        elif decoder is not None:
+            layer = MoELayer(f"decoder.layers.{decoder}", module)
         else:
-            raise ConfigError(f"monitor.moe_monitor: the MoE module {module!r} is neither under "
-                              f"'decoder.layers.<L>' nor 'mtp.layers.<i>'; allowed: MindFormers-style names")
+            raise ConfigError(f"monitor.moe_monitor: the MoE module {module!r} is under no layer name mindmon "
+                              f"knows ({', '.join(BUILT_IN_LAYER_PATTERNS)}, 'mtp.layers.<i>'); allowed: "
+                              f"monitor.moe_monitor.layer_pattern, a regular expression whose group is the layer id")
         found.setdefault(layer.name, (layer, cell))
     return found
 
 
-def decoder_layer_count(model) -> int:
-    ids = {int(m.group(1)) for name, _ in model.cells_and_names() for m in [_DECODER_LAYER.search(name)] if m}
+def decoder_layer_count(model, config: MoEMonitorConfig = MoEMonitorConfig()) -> int:
+    patterns = layer_patterns(config)
+    ids = {i for name, _ in named_cells(model) if not _MTP_LAYER.search(name)
+           for i in [_layer_id(name, patterns)] if i is not None}
     return max(ids) + 1 if ids else 0
 
 
 def select_layers(model, config: MoEMonitorConfig, logger: logging.Logger) -> List[tuple]:
     """The (MoELayer, cell) pairs `target_layers` asks for; a target that is no MoE layer is
     logged and skipped, one that does not exist is an error."""
-    found = find_moe_layers(model)
+    found = find_moe_layers(model, config)
     key = "monitor.moe_monitor.target_layers"
     if config.target_layers is None:
         selected = list(found.values())
     else:
         targets = range(config.target_layers) if isinstance(config.target_layers, int) else config.target_layers
-        count = decoder_layer_count(model)
+        count = decoder_layer_count(model, config)
         if (targets[-1] if isinstance(targets, range) else max(targets)) >= count:
             # Name the missing ids compactly: target_layers may be 1000000 (a range, never listed out).
             missing = (f"{count}..{config.target_layers - 1}" if isinstance(config.target_layers, int)
@@ -121,11 +141,19 @@ class MoETokensMonitor(Monitor):
         selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
         self.layers = [layer for layer, _ in selected]
         self.cells = [cell for _, cell in selected]
+        self._has_drops = any(getattr(cell, "tokens_dropped", None) is not None for cell in self.cells)
         self.reset()
 
     def reset(self) -> None:
         self._snapshots: List = []
         self._all_ranks: Optional[List[np.ndarray]] = None
+        self._dropped_at_begin: Optional[List[float]] = None
+
+    def _dropped(self) -> List[float]:
+        """The cumulative `tokens_dropped` of the layers whose router has a capacity limit (a probe's
+        `selection="mask"`); NaN for the others."""
+        counts = [getattr(cell, "tokens_dropped", None) for cell in self.cells]
+        return [np.nan if c is None else float(c.asnumpy()) for c in counts]
 
     def cross_rank_shapes(self) -> List[tuple]:
         return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] if self.cross_rank else []
@@ -156,6 +184,8 @@ class MoETokensMonitor(Monitor):
     def record(self, key: str, value=None, context=None) -> None:
         if key == STEP_BEGIN:
             self._snapshots = [self._snapshot()]
+            if self._has_drops:
+                self._dropped_at_begin = self._dropped()
         elif key == MICRO_STEP_END and self._snapshots:
             self._snapshots.append(self._snapshot())
 
@@ -172,6 +202,7 @@ class MoETokensMonitor(Monitor):
         if len(self._snapshots) < 2:
             self.reset()
             return []
+        dropped = self._dropped_records(step)
         counts = self._to_host(self._snapshots)            # (K + 1, layers, experts), cumulative
         per_micro_step = self._every_expert(np.rint(np.diff(counts, axis=0)).astype(np.int64))
         step_totals = self._all_ranks if self._all_ranks is not None else list(per_micro_step.sum(axis=0))
@@ -188,7 +219,14 @@ class MoETokensMonitor(Monitor):
             records.append(Record(step, None, self.rank, TOKENS_PER_EXPERT_STEP, layer.name,
                                   [int(v) for v in step_tokens]))
             records += self._summaries(step, layer.name, step_tokens)
-        return records
+        return records + dropped
+
+    def _dropped_records(self, step: int) -> List[Record]:
+        if self._dropped_at_begin is None:
+            return []
+        now = self._dropped()
+        return [Record(step, None, self.rank, MOE_DROPPED_TOKENS, layer.name, float(round(after - before)))
+                for layer, before, after in zip(self.layers, self._dropped_at_begin, now) if not np.isnan(after)]
 
     def _every_expert(self, per_micro_step: np.ndarray) -> np.ndarray:
         """(K, layers, local experts) -> (K, layers, every expert): one gather over the expert-parallel

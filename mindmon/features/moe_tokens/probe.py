@@ -1,32 +1,124 @@
-"""A cumulative `tokens_per_expert` count on a router cell, from its output scores by a forward hook."""
+"""A cumulative `tokens_per_expert` count on a router cell, by a forward hook: the experts the router
+actually chose, for each kind of router (docs/semantics.md, "Tokens per expert").
+
+    selection="topk"     the output (or output[output_index]) holds one score or logit per expert for each
+                         token, and the router takes each token's `topk` largest: Mixtral, Qwen2-MoE, OLMoE
+                         (a Linear gate; softmax is monotonic, so the top-k of its logits is the top-k of
+                         its probabilities)
+    selection="indices"  output[output_index] holds the expert ids the router chose, one row per token:
+                         DeepSeek-V3's DeepseekV3TopkRouter (returns topk_indices, topk_weights), GPT-OSS
+    selection="grouped"  DeepSeek-V3's rule over the output logits: sigmoid, plus the cell's
+                         `e_score_correction_bias` (another attribute with `bias=`), experts cut into
+                         `num_groups` groups ranked by the sum of their two best scores, the `topk_groups`
+                         best groups kept, and each token's `topk` best experts among them
+    selection="mask"     output[output_index] is the router's dispatch mask after its capacity limit, one
+                         0/1 row of experts per token (Switch Transformers' router: `(expert_index,
+                         router_probs, router_logits)`, `output_index=0`): the kept tokens are counted per
+                         expert, and the dropped ones (topk per token, minus those kept) apart, in the
+                         cell's cumulative `tokens_dropped`
+
+A probe never breaks the forward: an output it cannot read is logged once, the probe detaches itself and
+training goes on. Every op is a MindSpore function, so a mindnlp model's tensors (whose methods are
+PyTorch's) work too.
+"""
+import logging
 from typing import List, Optional
 
 import numpy as np
 
 from mindmon.cells import named_cells
+from mindmon.compat import with_device_of
+
+SELECTIONS = ("topk", "indices", "grouped", "mask")
 
 
 class TokensPerExpertProbe:
-    """One router: adds the per-expert count of each token's top-k scores to `cell.tokens_per_expert`."""
+    """One router: adds the per-expert count of the experts chosen for each token to `cell.tokens_per_expert`."""
 
-    def __init__(self, cell, num_experts: int, topk: int, output_index: Optional[int]):
-        self.cell, self.num_experts, self.topk, self.output_index = cell, num_experts, topk, output_index
+    def __init__(self, name: str, cell, num_experts: int, topk: int, output_index: Optional[int],
+                 selection: str = "topk", groups: tuple = (1, 1), bias: str = "e_score_correction_bias",
+                 logger: Optional[logging.Logger] = None):
+        self.name, self.cell, self.num_experts, self.topk = name, cell, num_experts, topk
+        self.output_index, self.selection, self.groups, self.bias = output_index, selection, groups, bias
+        self.logger = logger or logging.getLogger("mindmon")
+        self.handle = None
         self.reset()
 
     def reset(self) -> None:
         from mindspore import Tensor
 
         self.cell.tokens_per_expert = Tensor(np.zeros(self.num_experts, np.float32))
+        if self.selection == "mask":
+            self.cell.tokens_dropped = Tensor(np.zeros((), np.float32))
+
+    def detach(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
     def __call__(self, cell, inputs, output) -> None:
+        try:
+            counts = self._counts(output)
+            if self.selection == "mask":
+                cell.tokens_dropped = self._added(cell.tokens_dropped, self._dropped(output, counts))
+            cell.tokens_per_expert = self._added(cell.tokens_per_expert, counts)
+        except Exception as error:   # the user's forward goes on whatever the probe met
+            self.logger.warning(f"mindmon: tokens-per-expert probe {self.name}: {type(error).__name__}: {error}; "
+                                f"the probe is detached and training goes on")
+            self.detach()
+
+    @staticmethod
+    def _added(total, value):
+        from mindspore import ops
+
+        return with_device_of((ops.add(ops.stop_gradient(total), value),), (total,))[0]
+
+    def _value(self, output):
+        from mindspore import ops
+
+        return ops.stop_gradient(output if self.output_index is None else output[self.output_index])
+
+    def _dropped(self, output, counts):
+        """Every token had topk slots; those the dispatch mask does not hold were dropped."""
         import mindspore as ms
         from mindspore import Tensor, ops
 
-        scores = output if self.output_index is None else output[self.output_index]
-        _, chosen = ops.topk(ops.stop_gradient(scores).reshape(-1, self.num_experts), self.topk)
+        tokens = int(np.prod(self._value(output).shape)) // self.num_experts
+        return ops.sub(Tensor(float(tokens * self.topk), ms.float32), ops.reduce_sum(counts))
+
+    def _counts(self, output):
+        import mindspore as ms
+        from mindspore import Tensor, ops
+
+        value = self._value(output)
+        if self.selection == "mask":
+            if value.shape[-1] != self.num_experts:
+                raise ValueError(f"a dispatch mask of shape {tuple(value.shape)}; expected (..., {self.num_experts})")
+            return ops.reduce_sum(ops.reshape(ops.cast(value, ms.float32), (-1, self.num_experts)), 0)
+        if self.selection == "indices":
+            chosen = ops.reshape(ops.cast(value, ms.int32), (-1,))
+        else:
+            scores = ops.reshape(ops.cast(value, ms.float32), (-1, self.num_experts))
+            if self.selection == "grouped":
+                scores = self._group_limited(scores)
+            chosen = ops.reshape(ops.topk(scores, self.topk)[1], (-1,))
         on, off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
-        counts = ops.one_hot(chosen.reshape(-1), self.num_experts, on, off).sum(axis=0)
-        cell.tokens_per_expert = cell.tokens_per_expert + counts
+        return ops.reduce_sum(ops.one_hot(chosen, self.num_experts, on, off), 0)
+
+    def _group_limited(self, logits):
+        """DeepSeek-V3's scores for choice: sigmoid + bias, zero outside each token's best groups."""
+        import mindspore as ms
+        from mindspore import ops
+
+        num_groups, topk_groups = self.groups
+        bias = ops.cast(ops.stop_gradient(getattr(self.cell, self.bias)), ms.float32)
+        scores = ops.add(ops.sigmoid(logits), ops.reshape(bias, (1, -1)))
+        grouped = ops.reshape(scores, (-1, num_groups, self.num_experts // num_groups))
+        group_scores = ops.reduce_sum(ops.topk(grouped, 2)[0], -1)
+        kept = ops.reduce_sum(ops.one_hot(ops.topk(group_scores, topk_groups)[1], num_groups,
+                                          ops.ones((), ms.float32), ops.zeros((), ms.float32)), 1)
+        mask = ops.reshape(ops.broadcast_to(ops.expand_dims(kept, -1), grouped.shape), scores.shape)
+        return ops.select(mask > 0, scores, ops.zeros_like(scores))
 
 
 class TokensPerExpertProbes:
@@ -38,30 +130,50 @@ class TokensPerExpertProbes:
         probes.detach()
     """
 
-    def __init__(self, probes: List[TokensPerExpertProbe], handles: list):
-        self.probes, self.handles = probes, handles
+    def __init__(self, probes: List[TokensPerExpertProbe]):
+        self.probes = probes
+
+    @property
+    def handles(self) -> list:
+        return [probe.handle for probe in self.probes if probe.handle is not None]
 
     def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
         for probe in self.probes:
+            probe.detach()
             probe.cell.__dict__.pop("tokens_per_expert", None)
+            probe.cell.__dict__.pop("tokens_dropped", None)
+
+
+def _check(num_experts: int, topk: int, selection: str, groups: tuple) -> None:
+    if not 0 < topk <= num_experts:
+        raise ValueError(f"topk: got {topk!r}; allowed: 1..num_experts ({num_experts})")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection: got {selection!r}; allowed: one of {list(SELECTIONS)}")
+    num_groups, topk_groups = groups
+    if selection == "grouped" and (num_experts % num_groups or not 0 < topk_groups <= num_groups):
+        raise ValueError(f"num_groups, topk_groups: got {num_groups!r}, {topk_groups!r}; allowed: num_groups "
+                         f"dividing num_experts ({num_experts}) and 1 <= topk_groups <= num_groups")
 
 
 def attach_tokens_per_expert_probes(model, routers: str, num_experts: int, topk: int,
-                                    output_index: Optional[int] = None) -> TokensPerExpertProbes:
-    """Hook every cell whose name matches the regex `routers`; its output (or `output[output_index]`)
-    holds one score per expert for each token, and each token counts for its `topk` best experts.
-    Name routers under `decoder.layers.<L>` / `mtp.layers.<i>` so the MoE monitor can tell the layers
-    apart (MindFormers' naming)."""
-    if not 0 < topk <= num_experts:
-        raise ValueError(f"topk: got {topk!r}; allowed: 1..num_experts ({num_experts})")
-    probes, handles = [], []
-    for _, cell in named_cells(model, routers, "attach_tokens_per_expert_probes"):
+                                    output_index: Optional[int] = None, selection: str = "topk",
+                                    num_groups: int = 1, topk_groups: int = 1,
+                                    bias: str = "e_score_correction_bias",
+                                    logger: Optional[logging.Logger] = None) -> TokensPerExpertProbes:
+    """Hook every cell (or mindnlp module) whose name matches the regex `routers`; `selection` says how its
+    output holds the choice (module docstring). The MoE monitor names each layer from the router's name
+    (`decoder.layers.<L>`, `model.layers.<L>`, `mtp.layers.<i>`, or `monitor.moe_monitor.layer_pattern`)."""
+    _check(num_experts, topk, selection, (num_groups, topk_groups))
+    probes = []
+    for name, cell in named_cells(model, routers, "attach_tokens_per_expert_probes"):
         if getattr(cell, "tokens_per_expert", None) is not None:
             raise ValueError(f"{type(cell).__name__} already counts tokens_per_expert; attach no probe to it")
-        probe = TokensPerExpertProbe(cell, num_experts, topk, output_index)
+        if selection == "grouped" and getattr(cell, bias, None) is None:
+            raise ValueError(f"{name}: selection 'grouped' reads the cell's {bias!r}, which it does not have; "
+                             f"allowed: bias= the name of its score-correction bias")
+        probe = TokensPerExpertProbe(name, cell, num_experts, topk, output_index, selection,
+                                     (num_groups, topk_groups), bias, logger)
         # a bound method: MindSpore 2.7 accepts only functions and methods as hooks
-        handles.append(cell.register_forward_hook(probe.__call__))
+        probe.handle = cell.register_forward_hook(probe.__call__)
         probes.append(probe)
-    return TokensPerExpertProbes(probes, handles)
+    return TokensPerExpertProbes(probes)
