@@ -88,8 +88,10 @@ class ColumnarSink(Sink):
             self._closed = True
             try:
                 if self._stream is not None:
-                    self._stream.close()
-                    self._compact()
+                    try:
+                        self._stream.close()
+                    finally:
+                        self._compact()   # a stream without its end marker reads as well
             finally:
                 if self._lock is not None:
                     self._lock.release()
