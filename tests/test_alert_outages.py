@@ -109,24 +109,38 @@ class SqliteLock:
 
 
 class Outage(threading.Thread):
-    """Makes every recipient unavailable for OUTAGE_SECONDS, then brings them back."""
+    """Makes the servers (and the SQLite file, when given) unavailable for `seconds`, then brings them back."""
 
-    def __init__(self, postgres, mariadb, inbox, sqlite_path):
+    def __init__(self, servers, sqlite_path=None, seconds=OUTAGE_SECONDS):
         super().__init__(daemon=True)
-        self.servers, self.sqlite_path = (postgres, mariadb, inbox), sqlite_path
+        self.servers, self.sqlite_path, self.seconds = servers, sqlite_path, seconds
         self.down, self.restored = threading.Event(), threading.Event()
         self.steps = [None, None]
 
     def run(self):
-        lock = SqliteLock(self.sqlite_path)
+        lock = SqliteLock(self.sqlite_path) if self.sqlite_path else None
         for server in self.servers:
             server.stop()
         self.down.set()
-        time.sleep(OUTAGE_SECONDS)
+        time.sleep(self.seconds)
         for server in self.servers:
             server.start()
-        lock.release()
+        if lock is not None:
+            lock.release()
         self.restored.set()
+
+    def on_step(self, step, at=30):
+        """The training loop's hook: starts the outage at step `at`, notes the steps it spans."""
+        if step == at:
+            self.start()
+            assert self.down.wait(60)
+            self.steps[0] = step
+        if self.restored.is_set() and self.steps[1] is None:
+            self.steps[1] = step - 1
+
+    def keep_going(self, step, after=30):
+        """Train until `after` steps past the recovery."""
+        return self.steps[1] is None or step <= self.steps[1] + after
 
 
 def email_counts(messages):
@@ -151,26 +165,14 @@ def test_a_ten_second_outage_of_every_recipient_loses_nothing_and_delivers_nothi
         {"connection_str": url_text(mariadb_server.url), "table": "outage_rows", **options},
         {"connection_str": f"sqlite:///{sqlite_path}", "table": "outage_rows", **options, "timeout": 0.5},
         email_inform(smtp_inbox.host, smtp_inbox.port, email_interval=1, **options)]})
-    outage = Outage(postgres_server, mariadb_server, smtp_inbox, sqlite_path)
-    restored_at = []
-
-    def on_step(step):
-        if step == 30:
-            outage.start()
-            assert outage.down.wait(60)
-            outage.steps[0] = step
-        if outage.restored.is_set() and not restored_at:
-            restored_at.append(step)
-            outage.steps[1] = step - 1
-
+    outage = Outage((postgres_server, mariadb_server, smtp_inbox), sqlite_path)
     with caplog.at_level(logging.INFO, logger="mindmon"):
-        alerts, steps, seconds = train(tmp_path, config, lambda step: not restored_at or step < restored_at[0] + 30,
-                                       on_step)
+        alerts, steps, seconds = train(tmp_path, config, outage.keep_going, outage.on_step)
     expected = expected_anomalies(tmp_path)
     print_step_times("outage", seconds, tuple(outage.steps))
     print(f"[outage] {steps} steps, {len(expected)} anomalies; "
           + "; ".join(report.summary() for report in alerts.reports))
-    assert steps == restored_at[0] + 30 and len(expected) == 5 * steps   # training went on throughout
+    assert steps == outage.steps[1] + 31 and len(expected) == 5 * steps   # training went on throughout
     for url in (postgres_server.url, mariadb_server.url, f"sqlite:///{sqlite_path}"):
         rows = select_rows(url, "outage_rows")
         assert [row[:4] for row in rows] == expected, url      # every anomaly, once, in the order found
@@ -183,6 +185,27 @@ def test_a_ten_second_outage_of_every_recipient_loses_nothing_and_delivers_nothi
     assert report.folded == sum(n - 20 for n in per_message if n > 20)
     assert caplog.text.count("works again after") == 4
     assert not os.listdir(tmp_path / "anomaly_detected" / "rank0" / "spool")   # nothing left behind
+
+
+def test_a_sixty_second_outage_of_postgresql_loses_nothing(tmp_path, postgres_server, caplog):
+    """PostgreSQL stopped for 60 s in the middle of the run (a few thousand steps here): the memory buffer
+    overflows into the spool, every anomaly arrives once, in the order found, after the restart."""
+    options = {**QUICK_RETRY, "queue_size": 200, "close_timeout": 60}
+    config = AlertConfig.parse("monitor.alert", {"rules": [EVERY_VALUE], "inform": [
+        {"connection_str": url_text(postgres_server.url), "table": "long_outage_rows", **options}]})
+    outage = Outage((postgres_server,), seconds=60.0)
+    with caplog.at_level(logging.INFO, logger="mindmon"):
+        alerts, steps, seconds = train(tmp_path, config, outage.keep_going, outage.on_step)
+    expected = expected_anomalies(tmp_path)
+    print_step_times("60 s outage", seconds, tuple(outage.steps))
+    print(f"[60 s outage] {steps} steps, {len(expected)} anomalies; {alerts.reports[0].summary()}")
+    assert len(expected) == 5 * steps and len(expected) > options["queue_size"] * 2   # it outgrew memory
+    rows = select_rows(postgres_server.url, "long_outage_rows")
+    assert [row[:4] for row in rows] == expected and len({row[4] for row in rows}) == len(rows)
+    report, = alerts.reports
+    assert report.delivered == len(expected) and report.complete and report.failed_attempts > 0, report
+    assert caplog.text.count("works again after") == 1
+    assert not os.listdir(tmp_path / "anomaly_detected" / "rank0" / "spool")
 
 
 def test_a_recipient_that_never_answers_is_given_up_on_by_its_timeout(tmp_path, hanging_smtp, caplog):

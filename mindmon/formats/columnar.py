@@ -31,6 +31,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 from mindmon.extras import require
 from mindmon.records import Record, TensorStatsRecord
 from mindmon.formats.layout import rank_dir, rank_in_path
+from mindmon.formats.step_file import StepFile
 
 PARQUET_FILE = "metrics.parquet"
 STREAM_FILE = "metrics.arrows"
@@ -99,24 +100,67 @@ def records_of(table) -> List[Record]:
     return records
 
 
+class _Pieces:
+    """The file object an Arrow stream writer writes to: it keeps the bytes until `take`, so each batch
+    reaches the file in one piece (mindmon.formats.step_file)."""
+
+    closed = False
+
+    def __init__(self):
+        self._chunks: List[bytes] = []
+        self._position = 0
+
+    def write(self, data) -> int:
+        self._chunks.append(bytes(data))
+        self._position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        data, self._chunks = b"".join(self._chunks), []
+        return data
+
+
 class StreamWriter:
     """`metrics.arrows`: one compressed record batch per `write`, on disk (in the kernel's cache) when
-    `write` returns, so a SIGKILL after it keeps the batch."""
+    `write` returns, so a SIGKILL after it keeps the batch. A write that fails (a full disk) cuts the file
+    back to the last whole batch and raises; the stream then ends there, readable."""
 
     def __init__(self, path: str):
         pa = pyarrow()
         self.path = path
-        self._sink = pa.OSFile(path, "wb")   # unbuffered: each batch is one write(2)
+        self._file = StepFile(path, fresh=True)
+        self._pieces = _Pieces()
         options = pa.ipc.IpcWriteOptions(compression="zstd")
-        self._writer = pa.ipc.new_stream(self._sink, schema(), options=options)
+        self._writer = pa.ipc.new_stream(pa.PythonFile(self._pieces, mode="w"), schema(), options=options)
+        self._failed = False
+        self._put()   # the schema
+
+    def _put(self) -> None:
+        try:
+            self._file.write(self._pieces.take())
+        except OSError:
+            self._failed = True
+            raise
 
     def write(self, batch) -> None:
+        if self._failed:
+            raise OSError(f"{self.path}: an earlier write failed; the stream ends at its last whole batch")
         self._writer.write_batch(batch)
-        self._sink.flush()
+        self._put()
 
     def close(self) -> None:
-        self._writer.close()
-        self._sink.close()
+        try:
+            if not self._failed:
+                self._writer.close()   # the end-of-stream marker
+                self._put()
+        finally:
+            self._file.close()
 
 
 def stream_batches(path: str) -> Iterator:
@@ -189,8 +233,14 @@ class ParquetFileWriter:
         os.replace(self._partial, self.path)
 
     def abort(self) -> None:
-        self._writer.close()
-        os.remove(self._partial)
+        """Leaves no partial file, whatever failed (a full disk fails the footer too)."""
+        try:
+            self._writer.close()
+        except OSError:
+            pass
+        finally:
+            if os.path.exists(self._partial):
+                os.remove(self._partial)
 
 
 def compact(folder: str, previous_through: Optional[int] = None) -> Optional[str]:
@@ -211,14 +261,15 @@ def compact(folder: str, previous_through: Optional[int] = None) -> Optional[str
 
 
 def write_parquet(path: str, batches: Iterable) -> str:
+    """Written to a temporary name and renamed into place: a failure leaves `path` as it was."""
     writer = ParquetFileWriter(path)
     try:
         for batch in batches:
             writer.write(batch)
+        writer.close()
     except BaseException:
         writer.abort()
         raise
-    writer.close()
     return path
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from mindmon.chunks import chunk_name, split_chunk
 from mindmon.records import TensorStatsRecord
+from mindmon.formats.step_file import append_whole
 
 OUTPUT_DIR_ENV = "MONITOR_OUTPUT_DIR"
 DEFAULT_OUTPUT_ROOT = "./monitor_output"
@@ -214,12 +215,11 @@ def _csv_line(row: Sequence[str]) -> str:
 
 
 def write_text(path: str, columns: Sequence[str], text: str) -> None:
-    """Appends `format_text`'s text, writing the header first when the file is new."""
-    new = not os.path.exists(path)
-    with open(path, "a", newline="", encoding="utf-8") as file:
-        if new:
-            csv.writer(file).writerow(columns)
-        file.write(text)
+    """Appends `format_text`'s text, writing the header first when the file is new, in one piece: a full
+    disk leaves the file as it was (no half row; a file it would have made is not left)."""
+    if not os.path.exists(path):
+        text = _csv_line(columns) + text
+    append_whole(path, text.encode("utf-8"))
 
 
 def read_header(path: str) -> List[str]:

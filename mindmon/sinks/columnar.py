@@ -1,5 +1,6 @@
 """ColumnarSink: every record in `<output_dir>/rank_<r>/metrics.parquet` (mindmon.formats.columnar),
 through an Arrow stream flushed at every step end."""
+import logging
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -10,6 +11,8 @@ from mindmon.formats.layout import RunLock, rank_dir
 from mindmon.extras import MissingExtraError
 from mindmon.records import Record
 from mindmon.sinks.lines import claim_folder, unwritable
+
+logger = logging.getLogger("mindmon")
 
 
 class ColumnarSink(Sink):
@@ -71,10 +74,28 @@ class ColumnarSink(Sink):
             self._stream.write(batch)
 
     def close(self) -> None:
-        """Once (the Sink base sees to it): the step in flight, then the stream compacted to Parquet."""
-        self.flush()
-        if self._stream is not None:
-            self._stream.close()
-            columnar.compact(rank_dir(self.output_dir, self.rank), previous_through=self.resumed_at)
-        if self._lock is not None:
-            self._lock.release()
+        """Compacts the stream (once: the Sink base sees to it). A compaction that fails (a full disk) is
+        logged, once, and leaves the stream readable up to its last whole step (`mindmon compact` turns it into Parquet later) and any earlier
+        Parquet file as it was; the folder's lock is released anyway."""
+        try:
+            self.flush()
+        finally:
+            try:
+                if self._stream is not None:
+                    try:
+                        self._stream.close()
+                    finally:
+                        self._compact()   # a stream without its end marker reads as well
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+
+    def _compact(self) -> None:
+        folder = rank_dir(self.output_dir, self.rank)
+        try:
+            columnar.compact(folder, previous_through=self.resumed_at)
+        except OSError as error:
+            logger.error("mindmon: ColumnarSink: compacting %s into %s failed (%s); the stream is kept, readable "
+                         "up to its last whole step: `mindmon compact %s` makes the Parquet file later",
+                         columnar.STREAM_FILE, columnar.PARQUET_FILE, getattr(error, "strerror", None) or error,
+                         self.output_dir)

@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence
 from mindmon.config import ConfigError
 from mindmon.engine import RunInfo, Sink
 from mindmon.formats.layout import RunLock
+from mindmon.formats.step_file import StepFile
 from mindmon.records import Record
 
 
@@ -39,7 +40,8 @@ class LinesFileSink(Sink):
         self.output_dir = output_dir
         self.config_key = config_key
         self.path: Optional[str] = None
-        self._file = None
+        self._file: Optional[StepFile] = None
+        self._pending: List[str] = []   # this step's lines, written at its end
 
     @abc.abstractmethod
     def file_path(self, rank: int) -> str:
@@ -53,21 +55,24 @@ class LinesFileSink(Sink):
         self.path = self.file_path(run.rank)
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self._file = open(self.path, "a" if run.resumed else "w", encoding="utf-8")
+            self._file = StepFile(self.path, fresh=not run.resumed)
         except (OSError, ValueError) as error:
             raise unwritable(self.config_key, self.output_dir, self.path, error) from None
 
     def write(self, records: Sequence[Record]) -> None:
         if self._file is None:
             raise RuntimeError(f"mindmon: {type(self).__name__}: write before open()")
-        text = "".join(line + "\n" for line in self.lines(records))
-        if text:
-            self._file.write(text)
+        self._pending.extend(line + "\n" for line in self.lines(records))
 
     def flush(self) -> None:
-        if self._file is not None and not self.closed:
-            self._file.flush()
+        """The step's lines in one write: a failure (disk full) leaves the file whole up to the last step."""
+        if self._file is not None and self._pending and not self.closed:
+            text, self._pending = "".join(self._pending), []
+            self._file.write(text.encode("utf-8"))
 
     def close(self) -> None:
-        if self._file is not None and not self._file.closed:
-            self._file.close()
+        if self._file is not None:
+            try:
+                self.flush()
+            finally:
+                self._file.close()

@@ -104,8 +104,9 @@ class Axes:
 
 
 class TensorBoardSink(Sink):
-    """Writes every record as TensorBoard scalars (tensorboardX), flushed at every step end, to
-    `<tensorboard_dir>/rank_<r>/`.
+    """Writes every record as TensorBoard scalars (tensorboardX's summaries), written at every step end
+    in one piece, to `<tensorboard_dir>/rank_<r>/` (a full disk leaves the file whole up to the last step:
+    mindmon.sinks.event_file).
 
     Example:
         sink = TensorBoardSink("./output/tensorboard")
@@ -129,12 +130,14 @@ class TensorBoardSink(Sink):
     def open(self, run: RunInfo) -> None:
         from mindmon.extras import require
 
-        SummaryWriter = require("tensorboard", "tensorboardX").SummaryWriter
+        require("tensorboard", "tensorboardX")
+        from mindmon.sinks.event_file import EventFile
+
         self.log_dir = rank_dir(self.tensorboard_dir, run.rank)
         self.axes = Axes(run.global_batch_size, run.micro_steps_per_step)
         try:
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = SummaryWriter(self.log_dir, max_queue=self.queue_size)
+            self._writer = EventFile(self.log_dir, max_pending=self.queue_size)
         except (OSError, ValueError) as error:
             raise unwritable("monitor.tensorboard.tensorboard_dir", self.tensorboard_dir, self.log_dir, error) from None
 
