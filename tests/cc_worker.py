@@ -45,7 +45,7 @@ def codeline_patterns():
 
 def train(config, rank, steps, out_dir):
     os.environ["MONITOR_OUTPUT_DIR"] = out_dir
-    path = os.path.join(out_dir, "config.json")
+    path = os.path.join(out_dir, f"config_rank{rank}.json")   # one per rank: a shared file races between ranks
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as handle:
         json.dump(config, handle)
