@@ -7,13 +7,18 @@ plotted against the training step; micro-step values against the global micro-st
 (mindmon.formats.layout).
 When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
 (Megatron's `<tag> vs samples`), against the samples consumed so far.
+
+`msprobe_tensorboard_sink` writes the msprobe and kj600 front doors' TensorBoard in msprobe's spelling
+instead (mindmon/formats/msprobe_tags.py): `0:fc1.weight/rank0/post_grad_norm`, every value against the
+0-based step (per-micro-step values carry their micro-step in the tag), no `_vs_samples` copies.
 """
 import os
 from collections import defaultdict
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from mindmon.engine import RunInfo, Sink
 from mindmon.sinks.lines import unwritable
+from mindmon.formats import msprobe_tags
 from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.formats.layout import global_micro_step, rank_dir
 from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, MAX_ATTENTION_LOGIT,
@@ -66,6 +71,26 @@ def histogram_tag(record: Record) -> str:
     return f"{record.kind}/{record.name}"
 
 
+def msprobe_record_tags(record: Record) -> List[Tuple[str, float]]:
+    """msprobe's `<tag name>_<statistic>` for tensor statistics at its points; mindmon's tags for the rest
+    (the L2 features, collectives, losses, which msprobe's writer spells its own way or not at all)."""
+    name = msprobe_tags.tag_name(record.kind, record.name, record.micro_step, record.rank) \
+        if isinstance(record, TensorStatsRecord) else None
+    if name is None:
+        return record_tags(record)
+    return [(msprobe_tags.scalar_tag(name, op), value) for op, value in zip(record.ops, record.value)]
+
+
+def msprobe_histogram_tag(record: Record) -> str:
+    """The heat map's tag: the bare tag name, as msprobe's heat maps (`0:fc1.weight/rank0/adam_update`)."""
+    return msprobe_tags.tag_name(record.kind, record.name, None, record.rank) or histogram_tag(record)
+
+
+def msprobe_step(record: Record) -> int:
+    """msprobe's x axis: the 0-based step (records count from 1) for every value."""
+    return record.step - 1
+
+
 class Axes:
     """Where a record sits on the x axes: training step (or global micro-step), and samples.
 
@@ -102,6 +127,34 @@ class Axes:
         return (record.step - 1) * self.global_batch_size + (record.micro_step + 1) * per_micro
 
 
+class ExactTagWriter:
+    """SummaryWriter's add_scalar / add_image, writing each tag as given: tensorboardX's SummaryWriter turns
+    the characters TensorBoard's old node names did not allow (`:`) into `_`, where PyTorch's writer, which
+    msprobe uses, keeps them (`0:fc1.weight/rank0/post_grad_norm`)."""
+
+    PLACEHOLDER = "image"   # the tag tensorboardX's image summary is built with, replaced before writing
+
+    def __init__(self, tensorboardX, log_dir: str, max_queue: int):
+        self._summary = tensorboardX.summary
+        self._Summary = tensorboardX.proto.summary_pb2.Summary
+        self._file = tensorboardX.FileWriter(log_dir, max_queue=max_queue)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        value = self._Summary.Value(tag=tag, simple_value=float(value))
+        self._file.add_summary(self._Summary(value=[value]), step)
+
+    def add_image(self, tag: str, image, step: int, dataformats: str = "HWC") -> None:
+        summary = self._summary.image(self.PLACEHOLDER, image, dataformats=dataformats)
+        summary.value[0].tag = tag
+        self._file.add_summary(summary, step)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class TensorBoardSink(Sink):
     """Writes every record as TensorBoard scalars (tensorboardX), flushed at every step end, to
     `<tensorboard_dir>/rank_<r>/`.
@@ -114,10 +167,13 @@ class TensorBoardSink(Sink):
     """
 
     def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags,
-                 image_tag=histogram_tag):
+                 image_tag=histogram_tag, step_of: Optional[Callable[[Record], int]] = None,
+                 exact_tags: bool = False):
         self.tensorboard_dir = tensorboard_dir
         self.tags = tags   # record -> [(tag, value)]; monitor_config gives MindFormers' tags (sinks/training_state.py)
         self.image_tag = image_tag   # histogram record -> the tag of its heat map image
+        self.step_of = step_of       # record -> its x; given, it replaces the axes below and no _vs_samples copy
+        self.exact_tags = exact_tags  # tags written as given (ExactTagWriter), ":" included
         self.heatmaps = None         # mindmon.sinks.heatmap.Heatmaps, at the first histogram record
         self.log_interval = log_interval
         self.queue_size = queue_size
@@ -128,12 +184,13 @@ class TensorBoardSink(Sink):
     def open(self, run: RunInfo) -> None:
         from mindmon.extras import require
 
-        SummaryWriter = require("tensorboard", "tensorboardX").SummaryWriter
+        tensorboardX = require("tensorboard", "tensorboardX")
         self.log_dir = rank_dir(self.tensorboard_dir, run.rank)
         self.axes = Axes(run.global_batch_size, run.micro_steps_per_step)
         try:
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = SummaryWriter(self.log_dir, max_queue=self.queue_size)
+            self._writer = ExactTagWriter(tensorboardX, self.log_dir, self.queue_size) if self.exact_tags else \
+                tensorboardX.SummaryWriter(self.log_dir, max_queue=self.queue_size)
         except (OSError, ValueError) as error:
             raise unwritable("monitor.tensorboard.tensorboard_dir", self.tensorboard_dir, self.log_dir, error) from None
 
@@ -141,7 +198,10 @@ class TensorBoardSink(Sink):
         records = [r for r in records if r.step % self.log_interval == 0]
         self.axes.see(records)
         for record in records:
-            step, samples = self.axes.step(record), self.axes.samples(record)
+            if self.step_of is not None:
+                step, samples = self.step_of(record), None
+            else:
+                step, samples = self.axes.step(record), self.axes.samples(record)
             if record.kind in HISTOGRAM_KINDS:
                 self._add_heatmap(record, step)
             for tag, value in self.tags(record):
@@ -166,3 +226,14 @@ class TensorBoardSink(Sink):
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def msprobe_tensorboard_sink(tensorboard_dir: str) -> TensorBoardSink:
+    """TensorBoard in msprobe's spelling (the msprobe and kj600 front doors'): tags
+    `0:fc1.weight/rank0/post_grad_norm`, heat maps `0:fc1.weight/rank0/adam_update`, x = the 0-based step.
+
+    Example:
+        TrainerMon.from_config(config, sinks=[msprobe_tensorboard_sink("./tb")])
+    """
+    return TensorBoardSink(tensorboard_dir, tags=msprobe_record_tags, image_tag=msprobe_histogram_tag,
+                           step_of=msprobe_step, exact_tags=True)

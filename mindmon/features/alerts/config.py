@@ -63,7 +63,7 @@ def _rule_arg(path: str, rule_name: str, key: str, value: Any):
         return _positive_int(path, value)
     if key == "average":
         if value not in TURBULENCE_AVERAGES:
-            raise _value_error(path, value, f"one of {list(TURBULENCE_AVERAGES)}")
+            raise value_error(path, value, f"one of {list(TURBULENCE_AVERAGES)}")
         return value
     if value not in ("both", "up"):
         raise value_error(path, value, '"both" or "up"')
@@ -75,7 +75,7 @@ def _turbulence_args(path: str, parsed: Dict[str, Any], dialect: str) -> Dict[st
     parsed = dict(parsed)
     parsed.setdefault("average", DEFAULT_AVERAGE[dialect])
     if parsed["average"] == "ema" and parsed.get("window") is not None:
-        raise _value_error(f"{path}.args.window", parsed["window"],
+        raise value_error(f"{path}.args.window", parsed["window"],
                            'no window with average "ema" (the exponential average weighs every earlier value); '
                            'a window needs average "mean"')
     if parsed["average"] == "ema":

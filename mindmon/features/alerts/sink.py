@@ -24,7 +24,8 @@ from mindmon.features.alerts.delivery import Deliverer, DeliveryReport
 from mindmon.features.alerts.dump import AnomalyDump, rank_folder, run_id_of
 from mindmon.features.alerts.inform import recipient_id
 from mindmon.features.alerts.recipients import build_recipient
-from mindmon.features.alerts.rules import NOT_JUDGED, Verdict, first_verdict, scalar_value, tag_and_statistic
+from mindmon.features.alerts.rules import (NOT_JUDGED, Verdict, first_verdict, msprobe_tag_and_statistic, scalar_value,
+                                           tag_and_statistic)
 
 LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
 
@@ -99,13 +100,15 @@ class AlertSink(Sink):
             self._handle(found)
 
     def _series_of(self, record: Record) -> tuple:
-        """Worked out once per (kind, name): `statistic_of` depends on nothing else."""
-        key = (record.kind, record.name)
+        """Worked out once per (kind, name, micro-step): `statistic_of` depends on nothing else. A series is
+        one tag's statistic: in msprobe's spelling a per-micro-step value's tag holds its micro-step, so
+        each micro-step has its own history, as in msprobe."""
+        key = (record.kind, record.name, record.micro_step)
         if key not in self._series:
             tag, statistic = self.statistic_of(record)
             rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)
                      and statistic not in NOT_JUDGED]
-            self._series[key] = (tag, statistic, rules, (record.kind, record.name, statistic))
+            self._series[key] = (tag, statistic, rules, (record.kind, tag, statistic))
         return self._series[key]
 
     def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
@@ -166,7 +169,9 @@ def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger
     size = data_parallel.size if data_parallel is not None else 1
     mates = list(range(size)) if size > 1 else [rank]
     actions = AlertActions.from_config(config, data_parallel, logger)
-    return AlertSink(config, output_dir, rank, logger, group_mates=mates, actions=actions, path=path), actions
+    spelling = msprobe_tag_and_statistic if config.dialect == "msprobe" else tag_and_statistic
+    return AlertSink(config, output_dir, rank, logger, group_mates=mates, actions=actions, statistic_of=spelling,
+                     path=path), actions
 
 
 def delivery_note(sink: AlertSink, rows: int = 10) -> List[str]:
