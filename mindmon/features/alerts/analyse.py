@@ -87,7 +87,7 @@ def read_dumps(paths: Sequence[str]) -> List[Dict[str, dict]]:
 
 def top_anomalies(paths: Sequence[str], k: int, steps: Optional[set] = None) -> List[Tuple[str, dict]]:
     """The first k (key, entry) of these anomaly.json files in the module's order, ordered by DuckDB."""
-    from ..analysis.sql import duckdb
+    from mindmon.analysis.sql import duckdb
 
     dumps = read_dumps(paths)
     con = duckdb().connect()
