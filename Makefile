@@ -2,14 +2,18 @@
 # `make test`: the same install plus pytest, then the whole test suite (what .ci/run does).
 # `make test-ms27`: the low end of the supported range (MindSpore 2.7.0 + mindnlp 0.5.1, no MindFormers) in
 # .venv-ms27, pinned by constraints-ms27.txt; runs the tests marked `ms27` (docs/testing.md).
+# `make test-ms210`: the newest MindSpore, 2.10.0 (MindFormers 1.9 needs 2.9: none here) in .venv-ms210, pinned
+# by constraints.txt with its MindSpore pin replaced; runs the same `ms27` core set.
 # Versions are pinned by constraints.txt; `pip install mindmon` alone never installs or replaces MindSpore.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 VENV_MS27 ?= .venv-ms27
 BIN_MS27 := $(VENV_MS27)/bin
+VENV_MS210 ?= .venv-ms210
+BIN_MS210 := $(VENV_MS210)/bin
 
-.PHONY: install demo test install-ms27 test-ms27 clean
+.PHONY: install demo test install-ms27 test-ms27 install-ms210 test-ms210 clean
 
 install:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,5 +38,17 @@ test-ms27: install-ms27
 	$(BIN_MS27)/python -m pytest -q -m "ms27 and not mindformers and not mindnlp" tests
 	$(BIN_MS27)/python -m pytest -q -m "mindnlp" tests
 
+install-ms210:
+	@test -x $(BIN_MS210)/python || $(PYTHON) -m venv $(VENV_MS210)
+	$(BIN_MS210)/python -m pip install -q --upgrade "pip>=23"
+	grep -v -E '^(mindspore|mindformers)==' constraints.txt > $(VENV_MS210)/constraints.txt
+	echo "mindspore==2.10.0" >> $(VENV_MS210)/constraints.txt
+	$(BIN_MS210)/python -m pip install -q -c $(VENV_MS210)/constraints.txt \
+		".[mindspore,tensorboard,report,alerts,analysis,distributed,test]"
+	@rm -rf build mindmon.egg-info
+
+test-ms210: install-ms210
+	$(BIN_MS210)/python -m pytest -q -m "ms27 and not mindformers and not mindnlp" tests
+
 clean:
-	rm -rf $(VENV) $(VENV_MS27) build mindmon.egg-info output
+	rm -rf $(VENV) $(VENV_MS27) $(VENV_MS210) build mindmon.egg-info output

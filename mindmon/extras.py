@@ -15,7 +15,7 @@ def require(extra: str, module: str):
                                 f"`pip install 'mindmon[{extra}]'`") from None
 
 
-SUPPORTED_MINDSPORE = ((2, 7), (2, 10))   # from 2.7 (inclusive) up to 2.10 (exclusive)
+SUPPORTED_MINDSPORE = ((2, 7), (2, 11))   # from 2.7 (inclusive) up to 2.11 (exclusive)
 _version_checked = False
 
 

@@ -63,34 +63,39 @@ def kj600_run(tmp_path, config, optimizer=False):
 
 
 def test_kj600_hook_modules_writes_activations_to_tensorboard(tmp_path, output_root, caplog):
+    """msprobe's spelling: `0:<cell>.<input|output>:<micro_step>/rank0/<actv|actv_grad>_<op>`, against the
+    0-based step."""
     with caplog.at_level(logging.INFO, logger="mindmon"):
         tags = kj600_run(tmp_path, KJ600_CONFIG)
     reference = activation_rows(STEPS)
-    expected = {f"{kind}/fc1.{io}/{op}" for kind, io in (("actv", "input"), ("actv", "output"),
-                                                           ("actv_grad", "output"))
-                for op in KJ600_CONFIG["ops"]}
+    expected = {f"0:fc1.{io}:{micro}/rank0/{kind}_{op}"
+                for kind, io in (("actv", "input"), ("actv", "output"), ("actv_grad", "output"))
+                for micro in range(K) for op in KJ600_CONFIG["ops"]}
     assert set(tags) == expected   # fc1's input gradient is None (x is not differentiated): no tag
     for tag, points in tags.items():
-        kind, name, op = tag.split("/")
-        assert sorted(points) == list(range(STEPS * K))   # x = step * K + micro_step
-        for x, value in points.items():
-            array = reference[(kind, x // K, x % K, name)]
+        match = re.fullmatch(r"0:(fc1\.\w+):(\d)/rank0/(actv_grad|actv)_(min|max|norm|zeros|id)", tag)
+        name, micro, kind, op = match.group(1), int(match.group(2)), match.group(3), match.group(4)
+        assert sorted(points) == list(range(STEPS))   # x = the 0-based step
+        for step, value in points.items():
+            array = reference[(kind, step, micro, name)]
             assert_close(value, float("nan") if op == "id" else statistic(array, op))
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "opt_ty" in messages and "ignored" in messages and "> 1 out of 4 modules are monitored." in messages
 
 
 def test_kj600_wrapped_optimizer_adds_weight_gradients(tmp_path, output_root):
+    """grad_reduced is msprobe's post_grad, grad_unreduced its acc_grad."""
     config = dict(KJ600_CONFIG, targets={}, xy_distribution=False, wg_distribution=True, ops=["norm"])
     tags = kj600_run(tmp_path, config, optimizer=True)
     reference = reference_run(steps=STEPS)
-    assert {t for t in tags if t.startswith("grad_reduced/")} == {f"grad_reduced/{n}/norm" for n in
-                                                                  ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+    names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    assert set(tags) == {f"0:{n}/rank0/{point}_norm" for n in names for point in ("post_grad", "acc_grad")}
     for name in ("fc1.weight", "fc2.bias"):
-        points = tags[f"grad_reduced/{name}/norm"]
-        assert sorted(points) == [1, 2]   # per step, from 1
-        for x, value in points.items():
-            assert_close(value, statistic(reference[("grad_reduced", x - 1, None, name)], "norm"))
+        for point, kind in (("post_grad", "grad_reduced"), ("acc_grad", "grad_unreduced")):
+            points = tags[f"0:{name}/rank0/{point}_norm"]
+            assert sorted(points) == [0, 1]   # per step, from 0
+            for step, value in points.items():
+                assert_close(value, statistic(reference[(kind, step, None, name)], "norm"))
 
 
 def test_csv2tensorboard_by_step_and_command(tmp_path, output_root, capsys):

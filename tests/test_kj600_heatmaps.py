@@ -35,22 +35,22 @@ def test_kj600_heat_maps_in_tensorboard(tmp_path, monkeypatch):
     accumulator = EventAccumulator(events, size_guidance={"images": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
-    expected = {f"{kind}_histogram/{name}" for kind in ("adam_update", "adam_ratio") for name in NAMES}
+    # msprobe's spelling: the heat map under the bare tag name, the ops as `<tag name>_<op>`
+    expected = {f"0:{name}/rank0/{kind}" for kind in ("adam_update", "adam_ratio") for name in NAMES}
     assert set(tags["images"]) == expected
     assert not any("histogram" in tag for tag in tags["scalars"])   # counts are images, not 33 curves
-    assert {tag for tag in tags["scalars"] if tag.startswith("adam_")} == \
-        {f"{kind}/{name}/norm" for kind in ("adam_update", "adam_ratio") for name in NAMES}
+    assert set(tags["scalars"]) == {f"{tag}_norm" for tag in expected}
     for tag in expected:
         images = accumulator.Images(tag)
-        assert [image.step for image in images] == list(range(2, STEPS + 1))   # steps from 1; none at the first
+        assert [image.step for image in images] == list(range(1, STEPS))   # 0-based steps; none at the first
         picture = np.asarray(Image.open(BytesIO(images[-1].encoded_image_string)).convert("RGB"))
         assert picture.shape == (images[-1].height, images[-1].width, 3) and picture.std() > 0
     # The last image is the drawing of the counts of every step so far (drawing is deterministic).
     sink = monitor.sink
     counts = np.array(sink.heatmaps.columns[("adam_update_histogram", "fc1.weight")], dtype=np.float64).T
     assert counts.shape == (33, STEPS - 1) and (counts.sum(axis=0) == 32).all()   # fc1.weight: 8 x 4
-    last = accumulator.Images("adam_update_histogram/fc1.weight")[-1]
-    drawn = draw(counts, list(range(2, STEPS + 1)), "fc1.weight: adam_update_histogram")
+    last = accumulator.Images("0:fc1.weight/rank0/adam_update")[-1]
+    drawn = draw(counts, list(range(1, STEPS)), "fc1.weight: adam_update_histogram")
     assert np.array_equal(np.asarray(Image.open(BytesIO(last.encoded_image_string)).convert("RGB")), drawn)
 
 
@@ -106,21 +106,22 @@ def test_kj600_recipe_in_either_order_and_gradients_without_an_optimizer(tmp_pat
     assert first == second
     reference = reference_run()
     assert not any("fc2" in tag for tag in first)   # targets select fc1's parameters and cell only
-    for kind in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq"):
+    for kind, point in (("grad_unreduced", "acc_grad"), ("grad_reduced", "post_grad"), ("exp_avg", "exp_avg"),
+                        ("exp_avg_sq", "exp_avg_sq")):
         for name in ("fc1.weight", "fc1.bias"):
             for op in ("norm", "max"):
-                points = first[f"{kind}/{name}/{op}"]
-                assert sorted(points) == list(range(1, STEPS + 1)), (kind, name)
+                points = first[f"0:{name}/rank0/{point}_{op}"]
+                assert sorted(points) == list(range(STEPS)), (kind, name)
                 for step, value in points.items():
-                    want = statistic(reference[(kind, step - 1, None, name)], op)
+                    want = statistic(reference[(kind, step, None, name)], op)
                     assert abs(value - want) <= 1e-5 * abs(want) + 1e-7, (kind, name, op, step, value, want)
     assert "> fc1 is monitored successfully" in log_first and "> 1 out of 3 modules are monitored." in log_first
     assert any("mv_distribution wait for TrainerMon.set_wrapped_optimizer" in line for line in log_first)
     alone, _ = kj600_scalars(tmp_path, monkeypatch, {"wg_distribution": True, "ops": ["norm"]}, "no_optimizer")
-    assert set(alone) == {f"grad_unreduced/{name}/norm" for name in NAMES}
+    assert set(alone) == {f"0:{name}/rank0/acc_grad_norm" for name in NAMES}
     for tag, points in alone.items():
-        name = tag.split("/")[1]
-        assert sorted(points) == list(range(1, STEPS + 1))
+        name = tag.split("/")[0][2:]
+        assert sorted(points) == list(range(STEPS))
         for step, value in points.items():
-            want = statistic(reference[("grad_unreduced", step - 1, None, name)], "norm")
+            want = statistic(reference[("grad_unreduced", step, None, name)], "norm")
             assert abs(value - want) <= 1e-5 * want, (tag, step, value, want)

@@ -13,6 +13,7 @@ the model and this optimizer instance. The group is flushed at every optimizer s
 """
 import dataclasses
 import logging
+import os
 import warnings
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -25,7 +26,7 @@ from mindmon.features.tensor_stats.dynamic import ConfigWatcher, dynamic_mode
 from mindmon.features.tensor_stats.hooks import TensorStatsHooks, attachment
 from mindmon.features.tensor_stats.monitor import ACTV, ACTV_GRAD, GRAD_REDUCED, GRAD_UNREDUCED
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
-from mindmon.formats.msprobe_csv import output_root as csv_output_root
+from mindmon.formats.msprobe_csv import output_root as csv_output_root, run_folder_name
 from mindmon.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("mindmon")
@@ -51,8 +52,9 @@ class TrainerMon:
         self.process_group = process_group
         self.pipeline = pipeline_layout(process_group)
         self.params_have_main_grad = params_have_main_grad
-        self.sink = sink if sink is not None else MsprobeCsvSink.for_config(self.config)
-        self.run_folder = run_folder or (lambda: self.sink.folder)
+        self.sink = sink if sink is not None else self._csv_sink()
+        self.run_folder = run_folder or self._run_folder
+        self._api_folder: Optional[str] = None
         self.parameters_without_optimizer = parameters_without_optimizer
         self.extra_sinks = list(extra_sinks)
         self.rank = DataParallel().rank
@@ -60,6 +62,19 @@ class TrainerMon:
         self.model = None
         self.wrapped_optimizer = None
         self._ops = self.config.ops
+
+    def _csv_sink(self) -> Optional[MsprobeCsvSink]:
+        """msprobe's CSV files; none with `format: "api"` (the numbers only through generate_*_metrics)."""
+        return MsprobeCsvSink.for_config(self.config) if self.config.writes_csv else None
+
+    def _run_folder(self) -> str:
+        """Where module_struct.json and stack_info.csv go: the CSV run folder, or one of the same name
+        with `format: "api"`."""
+        if self.sink is not None:
+            return self.sink.folder
+        if self._api_folder is None:
+            self._api_folder = os.path.join(csv_output_root(), run_folder_name(self.rank))
+        return self._api_folder
 
     @classmethod
     def from_config(cls, config: TensorStatsConfig, sinks: Sequence[Sink] = (), params_have_main_grad: bool = True
@@ -133,7 +148,8 @@ class TrainerMon:
         outputs_for = later or config
         sections = {"tensor_stats": outputs_for, "alert": outputs_for.alert}
         translated = MindmonConfig(MonitorConfig(output_dir=csv_output_root(), sections=sections))
-        built = build(translated, rank=self.rank, logger=logger, outputs=[self.sink] + self.extra_sinks,
+        built = build(translated, rank=self.rank, logger=logger,
+                      outputs=[s for s in [self.sink] if s is not None] + self.extra_sinks,
                       data_parallel=DataParallel(), layout=self.pipeline)
         self.group = group_of(built)
         return built.parts["tensor_stats"](config=config, run_folder=self.run_folder, watcher=watcher,

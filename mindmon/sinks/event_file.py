@@ -46,16 +46,25 @@ class EventFile:
         self._add(self._event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
 
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        from tensorboardX.summary import scalar
+    def add_summary(self, summary, step: int) -> None:
+        """A Summary proto as it is: its tags are written as given (tensorboardX's own helpers turn `:`
+        into `_`, where PyTorch's writer, which msprobe uses, keeps it: `0:fc1.weight/rank0/post_grad_norm`)."""
+        self._add(self._event(summary=summary, wall_time=time.time(), step=int(step)))
 
-        self._add(self._event(summary=scalar(tag, value), wall_time=time.time(), step=int(step)))
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary()
+        entry = summary.value.add()
+        entry.tag, entry.simple_value = tag, float(value)
+        self.add_summary(summary, step)
 
     def add_image(self, tag: str, image, step: int, dataformats: str = "HWC") -> None:
         from tensorboardX.summary import image as image_summary
 
-        self._add(self._event(summary=image_summary(tag, image, dataformats=dataformats), wall_time=time.time(),
-                              step=int(step)))
+        summary = image_summary("image", image, dataformats=dataformats)
+        summary.value[0].tag = tag   # built under a placeholder, so the tag is not rewritten
+        self.add_summary(summary, step)
 
     def _add(self, event) -> None:
         self._pending.append(_framed(event))

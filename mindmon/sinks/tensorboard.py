@@ -8,13 +8,18 @@ plotted against the training step; micro-step values against the global micro-st
 (mindmon.formats.layout).
 When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
 (Megatron's `<tag> vs samples`), against the samples consumed so far.
+
+`msprobe_tensorboard_sink` writes the msprobe and kj600 front doors' TensorBoard in msprobe's spelling
+instead (mindmon/formats/msprobe_tags.py): `0:fc1.weight/rank0/post_grad_norm`, every value against the
+0-based step (per-micro-step values carry their micro-step in the tag), no `_vs_samples` copies.
 """
 import os
 from collections import defaultdict
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from mindmon.engine import RunInfo, Sink
 from mindmon.sinks.lines import unwritable
+from mindmon.formats import msprobe_tags
 from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.formats.layout import global_micro_step, rank_dir
 from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, LOSS_SCALE, MAX_ATTENTION_LOGIT,
@@ -67,6 +72,26 @@ def histogram_tag(record: Record) -> str:
     return f"{record.kind}/{record.name}"
 
 
+def msprobe_record_tags(record: Record) -> List[Tuple[str, float]]:
+    """msprobe's `<tag name>_<statistic>` for tensor statistics at its points; mindmon's tags for the rest
+    (the L2 features, collectives, losses, which msprobe's writer spells its own way or not at all)."""
+    name = msprobe_tags.tag_name(record.kind, record.name, record.micro_step, record.rank) \
+        if isinstance(record, TensorStatsRecord) else None
+    if name is None:
+        return record_tags(record)
+    return [(msprobe_tags.scalar_tag(name, op), value) for op, value in zip(record.ops, record.value)]
+
+
+def msprobe_histogram_tag(record: Record) -> str:
+    """The heat map's tag: the bare tag name, as msprobe's heat maps (`0:fc1.weight/rank0/adam_update`)."""
+    return msprobe_tags.tag_name(record.kind, record.name, None, record.rank) or histogram_tag(record)
+
+
+def msprobe_step(record: Record) -> int:
+    """msprobe's x axis: the 0-based step (records count from 1) for every value."""
+    return record.step - 1
+
+
 class Axes:
     """Where a record sits on the x axes: training step (or global micro-step), and samples.
 
@@ -116,10 +141,11 @@ class TensorBoardSink(Sink):
     """
 
     def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags,
-                 image_tag=histogram_tag):
+                 image_tag=histogram_tag, step_of: Optional[Callable[[Record], int]] = None):
         self.tensorboard_dir = tensorboard_dir
         self.tags = tags   # record -> [(tag, value)]; monitor_config gives MindFormers' tags (sinks/training_state.py)
         self.image_tag = image_tag   # histogram record -> the tag of its heat map image
+        self.step_of = step_of       # record -> its x; given, it replaces the axes below and no _vs_samples copy
         self.heatmaps = None         # mindmon.sinks.heatmap.Heatmaps, at the first histogram record
         self.log_interval = log_interval
         self.queue_size = queue_size
@@ -146,7 +172,10 @@ class TensorBoardSink(Sink):
         self.axes.see(records)
         at = defaultdict(list)   # x -> its scalars: one event each (tensorboardX's add_scalar: one per value)
         for record in records:
-            step, samples = self.axes.step(record), self.axes.samples(record)
+            if self.step_of is not None:
+                step, samples = self.step_of(record), None
+            else:
+                step, samples = self.axes.step(record), self.axes.samples(record)
             if record.kind in HISTOGRAM_KINDS:
                 self._add_heatmap(record, step)
             for tag, value in self.tags(record):
@@ -166,7 +195,7 @@ class TensorBoardSink(Sink):
             for tag, value in scalars:
                 entry = summary.value.add()
                 entry.tag, entry.simple_value = tag, float(value)
-            self._writer.file_writer.add_summary(summary, x[1] if isinstance(x, tuple) else x)
+            self._writer.add_summary(summary, x[1] if isinstance(x, tuple) else x)
 
     def _add_heatmap(self, record: Record, step: int) -> None:
         """The record's heat map with its new column, as an image (kj600's form of the update/ratio
@@ -185,3 +214,14 @@ class TensorBoardSink(Sink):
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def msprobe_tensorboard_sink(tensorboard_dir: str) -> TensorBoardSink:
+    """TensorBoard in msprobe's spelling (the msprobe and kj600 front doors'): tags
+    `0:fc1.weight/rank0/post_grad_norm`, heat maps `0:fc1.weight/rank0/adam_update`, x = the 0-based step.
+
+    Example:
+        TrainerMon.from_config(config, sinks=[msprobe_tensorboard_sink("./tb")])
+    """
+    return TensorBoardSink(tensorboard_dir, tags=msprobe_record_tags, image_tag=msprobe_histogram_tag,
+                           step_of=msprobe_step)

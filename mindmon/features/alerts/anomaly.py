@@ -17,7 +17,7 @@ class Anomaly:
     call_id: int             # order of the value among everything this rank's sink was given
     kind: str
     name: str
-    tag_name: str            # `<kind>/<name>` (msprobe statistics: without the statistic)
+    tag_name: str            # `<kind>/<name>`; msprobe's dialect: `0:<name>/rank<r>/<point>` (no statistic)
     statistic: str
     value: float
     rule_name: str

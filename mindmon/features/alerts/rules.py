@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
+from mindmon.formats import msprobe_tags
 from mindmon.records import Record
 
 # The statistic of each mindmon record kind. msprobe-style records say theirs in the name's last
@@ -58,6 +59,15 @@ def tag_and_statistic(record: Record) -> Tuple[str, str]:
     if head and last in MSPROBE_STATISTICS:
         return f"{record.kind}/{head}", last
     return f"{record.kind}/{record.name}", KIND_STATISTICS.get(record.kind, record.kind)
+
+
+def msprobe_tag_and_statistic(record: Record) -> Tuple[str, str]:
+    """(tag, statistic) in msprobe's spelling, the msprobe and kj600 front doors' dump
+    (`0:fc1.weight/rank0/post_grad`, "norm"); mindmon's for kinds msprobe has no point for."""
+    tag, statistic = tag_and_statistic(record)
+    head = record.name.rpartition("/")[0]
+    name = msprobe_tags.tag_name(record.kind, head, record.micro_step, record.rank) if head else None
+    return (name, statistic) if name is not None else (tag, statistic)
 
 
 def scalar_value(value: Union[float, Sequence[float], None]) -> Optional[float]:

@@ -25,7 +25,8 @@ from mindmon.features.alerts.delivery import Deliverer, DeliveryReport
 from mindmon.features.alerts.dump import AnomalyDump, rank_folder, run_id_of
 from mindmon.features.alerts.inform import recipient_id
 from mindmon.features.alerts.recipients import build_recipient
-from mindmon.features.alerts.rules import NOT_JUDGED, Verdict, first_verdict, scalar_value, tag_and_statistic
+from mindmon.features.alerts.rules import (NOT_JUDGED, Verdict, first_verdict, msprobe_tag_and_statistic, scalar_value,
+                                           tag_and_statistic)
 
 LOGGED_PER_WRITE = 20  # anomaly lines per step in the log; the rest are summarised in one line
 
@@ -100,13 +101,15 @@ class AlertSink(Sink):
             self._handle(found)
 
     def _series_of(self, record: Record) -> tuple:
-        """Worked out once per (kind, name): `statistic_of` depends on nothing else."""
-        key = (record.kind, record.name)
+        """Worked out once per (kind, name, micro-step): `statistic_of` depends on nothing else. A series is
+        one tag's statistic: in msprobe's spelling a per-micro-step value's tag holds its micro-step, so
+        each micro-step has its own history, as in msprobe."""
+        key = (record.kind, record.name, record.micro_step)
         if key not in self._series:
             tag, statistic = self.statistic_of(record)
             rules = [rule for rule in self.rules if rule.selects(record.kind, statistic)
                      and statistic not in NOT_JUDGED]
-            self._series[key] = (tag, statistic, rules, (record.kind, record.name, statistic))
+            self._series[key] = (tag, statistic, rules, (record.kind, tag, statistic))
         return self._series[key]
 
     def _anomaly(self, record: Record, tag: str, statistic: str, x: float, verdict: Verdict) -> Anomaly:
@@ -175,7 +178,9 @@ def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger
     if pipeline is not None and pipeline.size > 1:
         pp_stage, mates = pipeline.rank, list(pipeline.world_ranks())
     actions = AlertActions.from_config(config, data_parallel, logger)
+    spelling = msprobe_tag_and_statistic if config.dialect == "msprobe" else tag_and_statistic
     return AlertSink(config, output_dir, rank, logger, group_mates=mates, pp_stage=pp_stage, actions=actions,
+                     statistic_of=spelling,
                      path=path), actions
 
 

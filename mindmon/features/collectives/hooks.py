@@ -215,18 +215,29 @@ class CollectivePatch:
 
 
 class StopAfterLogging:
-    """cc_log_only: called before each optimizer step; at the second, restores the collectives and ends
-    training with CollectivesLogged."""
+    """cc_log_only: restores the collectives and ends training with CollectivesLogged once a step's calls
+    are logged. With an optimizer, `before_step` runs before each optimizer step and stops at the second (as
+    msprobe does); without one (kj600's hook_modules alone), `before_forward` runs before each forward of
+    the model and stops at the first forward of the second step (forward grad_acc_steps + 1)."""
 
-    def __init__(self, patch: CollectivePatch):
+    def __init__(self, patch: CollectivePatch, grad_acc_steps: int = 1):
         self.patch, self.calls = patch, 0
+        self.grad_acc_steps, self.forwards = grad_acc_steps, 0
 
     def before_step(self, *unused) -> None:
         self.calls += 1
-        if self.calls < 2:
-            return
+        if self.calls >= 2:
+            self._stop("before the second optimizer step")
+
+    def before_forward(self, cell, inputs) -> None:
+        if cell.training:   # as the step count without an optimizer: forwards in training mode
+            self.forwards += 1
+            if self.forwards > self.grad_acc_steps:
+                self._stop("at the first forward of the second step")
+
+    def _stop(self, when: str) -> None:
         self.patch.remove()
         message = (f"mindmon: cc_distribution.cc_log_only: {len(self.patch.logged)} distinct collective call(s) "
-                   f"logged above; training stopped before the second optimizer step as configured")
+                   f"logged above; training stopped {when} as configured")
         logger.warning(message)
         raise CollectivesLogged(message)

@@ -126,17 +126,18 @@ def attach_l2_features(model, monitor: Optional[L2FeaturesMonitor] = None, sa_or
 
 
 def attach_l2_and_collectives(config, model, optimizer, l2_monitor, cc_monitor, collecting: Callable[[], bool],
-                              recorder=None) -> List:
+                              recorder=None, grad_acc_steps: int = 1) -> List:
     """What `l2_targets`/`recording_l2_features` and `cc_distribution` of a TensorStatsConfig switch on:
     their hooks attached, recording into the monitors the factory built (through `recorder`, the group,
-    when given). Returns handles whose `remove()`
+    when given). `optimizer` may be None (kj600's hook_modules alone): cc_log_only then stops at the
+    model's forward that begins the second step of `grad_acc_steps` forwards. Returns handles whose `remove()`
     detaches. Everything that can be refused (cell names, a second collective watcher) is checked before
     any hook."""
     l2, cc = config.l2, config.cc
     cells = select_l2_cells(model, l2) if l2 is not None and l2.active else None
     handles: List = []
     try:
-        _attach_collectives(config, cc, optimizer, cc_monitor, collecting, handles, recorder)
+        _attach_collectives(config, cc, (model, optimizer, grad_acc_steps), cc_monitor, collecting, handles, recorder)
     except BaseException:
         for handle in handles:
             handle.remove()
@@ -148,7 +149,7 @@ def attach_l2_and_collectives(config, model, optimizer, l2_monitor, cc_monitor, 
     return handles
 
 
-def _attach_collectives(config, cc, optimizer, monitor, collecting, handles: List, recorder=None) -> None:
+def _attach_collectives(config, cc, steps, monitor, collecting, handles: List, recorder=None) -> None:
     """cc_distribution: the collective wrappers (and, with cc_log_only, the stop), appended to `handles` as
     they are made so that a refusal half-way leaves nothing behind."""
     from mindmon.features.collectives.hooks import CollectivePatch, StopAfterLogging
@@ -161,4 +162,9 @@ def _attach_collectives(config, cc, optimizer, monitor, collecting, handles: Lis
     patch = CollectivePatch(recorder or monitor, None if cc.log_only else monitor, cc, collecting)
     handles.append(patch)
     if cc.log_only:
-        handles += hook_optimizer_calls(optimizer, StopAfterLogging(patch).before_step, lambda *unused: None)
+        model, optimizer, grad_acc_steps = steps   # what ends a step: the optimizer's calls, or K forwards
+        stop = StopAfterLogging(patch, grad_acc_steps)
+        if optimizer is not None:
+            handles += hook_optimizer_calls(optimizer, stop.before_step, lambda *unused: None)
+        else:
+            handles.append(model.register_forward_pre_hook(stop.before_forward))

@@ -29,7 +29,7 @@ def build(build, section: TensorStatsConfig) -> None:
     if not (section.active or wanted(section, build.rank)):
         return
     csv = None
-    if build.own_outputs:
+    if build.own_outputs and section.writes_csv:
         from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 
         csv = MsprobeCsvSink.for_config(section, os.path.join(build.config.monitor.output_dir, CSV_FOLDER))

@@ -18,7 +18,9 @@ A cell whose value does not match its spec is reported once (an error naming the
 and what the cell got) and that hook is detached at the step end; the rest of the run goes on.
 
 Row names: `<cell>.input` / `<cell>.output` (the root cell's name is empty: `.input`), `<cell>.input_<i>`
-for element i of a value holding several; `actv_grad` uses the same names for the gradients of the same
+for element i of a value holding several; with `squash_name`, `<cell>` is shortened as parameter names are
+(`model.layers.0.mlp` -> `layers.0.mlp`; the full name where two cells would share a short one), and
+targets match either form; `actv_grad` uses the same names for the gradients of the same
 tensors, so `.input_1` in both files is one tensor. A gradient MindSpore does not compute (an input that
 is not differentiated) is None and has no row.
 
@@ -35,6 +37,7 @@ from mindmon.chunks import names_match
 from mindmon.compat import mindspore_types, named_cells
 from mindmon.config import ConfigError, check_keys, describe
 from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD
+from mindmon.features.tensor_stats.targets import squash_name
 
 logger = logging.getLogger("mindmon")
 
@@ -154,14 +157,25 @@ class CellValues:
         return rows
 
 
+def _target(name: str, targets, squash: bool) -> Optional[str]:
+    """The key of `targets` naming this cell: its name itself first, then one naming it in every chunk
+    (`layers.0` for `1:layers.0`), then, with squash_name, its short name."""
+    if name in targets:
+        return name
+    matching = [target for target in targets if names_match(name, target)]
+    if matching:
+        return matching[0]
+    short = squash_name(name) if squash else None
+    return short if short in targets else None
+
+
 def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
     """{key: spec} this cell collects ({} = not monitored)."""
     # the exact name first, so that a chunk's own spec ("1:layers.0") wins over one for every chunk
-    specs = [config.xy_specs[name]] if name in config.xy_specs else \
-        [spec for target, spec in config.xy_specs.items() if names_match(name, target)]
-    if specs:
-        plan = dict(specs[0])
-    elif config.all_xy or not config.targets or any(names_match(name, target) for target in config.targets):
+    spec_target = _target(name, config.xy_specs, config.squash_name)
+    if spec_target is not None:
+        plan = dict(config.xy_specs[spec_target])
+    elif config.all_xy or not config.targets or _target(name, config.targets, config.squash_name) is not None:
         plan = dict.fromkeys(SPEC_KEYS)
     else:
         plan = {}
@@ -172,6 +186,8 @@ def cell_plan(name: str, config) -> Dict[str, Optional[Spec]]:
 def check_spec_targets(model, config) -> None:
     """Every target with specs names a cell of the model (checked before training)."""
     cells = {name for name, _ in named_cells(model)}
+    if config.squash_name:
+        cells |= {squash_name(name) for name in cells}
     for name in config.xy_specs:
         if not any(names_match(cell, name) for cell in cells):
             examples = sorted(cells)[:6]
@@ -220,8 +236,11 @@ class ActivationHooks:
         names: `monitored`)."""
         count = 0
         self.monitored: List[str] = []
+        self.row_names: Dict[str, str] = {}
         for name, cell in named_cells(model):
             plan = cell_plan(name, self.config)
+            if plan:
+                self.row_names[name] = self._row_name(name)
             forward = {k: s for k, s in plan.items() if k in FORWARD_KEYS}
             backward = {k: s for k, s in plan.items() if k in BACKWARD_KEYS}
             if forward:
@@ -232,6 +251,11 @@ class ActivationHooks:
             self.monitored += [name] if plan else []
         self.follow_collection()
         return count
+
+    def _row_name(self, name: str) -> str:
+        """The cell's name in its rows: shortened with squash_name, unless another cell has that short name."""
+        short = squash_name(name) if self.config.squash_name else name
+        return name if short in self.row_names.values() else short
 
     def follow_collection(self) -> None:
         """Backward hooks on for a collected step, off for one that is not (called between steps)."""
@@ -244,10 +268,10 @@ class ActivationHooks:
                 self.handles.pop(key).remove()
 
     def _forward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
-        return self._hook((name, "forward"), ACTV, CellValues(name, plan, FORWARD_KEYS))
+        return self._hook((name, "forward"), ACTV, CellValues(self.row_names[name], plan, FORWARD_KEYS))
 
     def _backward_hook(self, name: str, plan: Dict[str, Optional[Spec]]):
-        return self._hook((name, "backward"), ACTV_GRAD, CellValues(name, plan, BACKWARD_KEYS))
+        return self._hook((name, "backward"), ACTV_GRAD, CellValues(self.row_names[name], plan, BACKWARD_KEYS))
 
     def _hook(self, key: Tuple[str, str], point: str, values: CellValues):
         def hook(cell, *arguments):   # (inputs, output) forward; (grad_input, grad_output) backward

@@ -39,6 +39,7 @@ _DEFAULTS = {
 KEYS = tuple(_DEFAULTS) + ("alert",) + tuple(LATER_CAPABILITIES) + L2_KEYS + (CC_KEY,)
 MAX_STEP_COUNT_PER_RECORD = 1000000
 ALWAYS_WRITTEN = ("shape", "dtype")   # msprobe accepts them in `ops`; every CSV row has them
+FORMATS = ("csv", "api")   # msprobe's MindSpore formats: CSV files, or none (the numbers through its API)
 XY_FLAGS = ("xy_distribution", "all_xy", "forward_only", "backward_only", "print_struct", "stack_info", "dynamic_on")
 
 
@@ -60,7 +61,7 @@ class TensorStatsConfig:
     step_interval: int = 1
     collect_times: int = 100000000
     module_ranks: Tuple[int, ...] = ()      # () = every rank
-    format: str = "csv"
+    format: str = "csv"                     # "api": no CSV files (the numbers through generate_*_metrics)
     step_count_per_record: int = 1
     squash_name: bool = False
     append_output: Tuple[str, ...] = ()     # () or (first, last) run-folder timestamps to append to
@@ -104,6 +105,10 @@ class TensorStatsConfig:
     def finished(self, step: int) -> bool:
         """No step from `step` (0-based) on is collected any more: collect_times is reached."""
         return (step - self.start_step) // self.step_interval >= self.collect_times
+
+    @property
+    def writes_csv(self) -> bool:
+        return self.format == "csv"
 
     def selects_rank(self, rank: int) -> bool:
         return not self.module_ranks or rank in self.module_ranks
@@ -231,10 +236,10 @@ def _ranks(path: str, value: Any) -> Tuple[int, ...]:
 
 
 def _format(path: str, value: Any) -> str:
-    if value != "csv":
+    if value not in FORMATS:
         raise (ConfigTypeError if not isinstance(value, str) else ConfigError)(
-            f"{path}: got {describe(value)}; allowed: 'csv' (TensorBoard and JSONL output come from "
-            f"mindmon's own sinks)")
+            f"{path}: got {describe(value)}; allowed: 'csv' or 'api' (no files: the numbers through "
+            f"generate_wgrad_metrics / generate_xy_metrics; TensorBoard and JSONL come from mindmon's own sinks)")
     return value
 
 

@@ -177,7 +177,8 @@ class TensorStatsHooks:
         if config.l2_or_cc_active:
             self._capability_handles += attach_l2_and_collectives(config, self.at.model, self.at.optimizer,
                                                                   self.l2_monitor, self.cc_monitor,
-                                                                  lambda: self.collecting, self.recorder)
+                                                                  lambda: self.collecting, self.recorder,
+                                                                  self.at.grad_acc_steps)
 
     def _follow_collection(self) -> None:
         """Between steps: the hooks that run in the backward pass (parameter gradients, cells' backward)

@@ -67,7 +67,13 @@ def select_parameters(model, parameters: Sequence, targets: Tuple[str, ...], squ
                               f"names from cells_and_names() or parameter names, such as {examples}")
         chosen.update(dict.fromkeys(found))
     indices = sorted(chosen) if targets else range(len(parameters))
-    return [(i, squash_name(names[i]) if squash else names[i]) for i in indices]
+    rows: List[Tuple[int, str]] = []
+    used = set()
+    for i in indices:   # squash_name: the full name where two parameters would share a short one (as msprobe)
+        short = squash_name(names[i]) if squash else names[i]
+        rows.append((i, names[i] if short in used else short))
+        used.add(rows[-1][1])
+    return rows
 
 
 def _matches(name: str, target: str) -> bool:

@@ -1,0 +1,79 @@
+"""msprobe's tag spelling, both directions: the TensorBoard tags and the anomaly dump's `tag_name` of the
+msprobe and kj600 front doors (mindmon's YAML route keeps `<kind>/<name>/<statistic>`).
+
+msprobe names every collected tensor by a tag name and writes each statistic as a scalar
+`<tag name>_<statistic>`, against the 0-based step:
+
+    <vpp_stage>:<module or parameter>[:<micro_step>]/rank<r>/<point>       e.g. 0:fc1.weight/rank0/post_grad
+    0:fc1.weight/rank0/post_grad_norm                                        its `norm` in TensorBoard
+
+`vpp_stage` is 0 (as in the CSV files); the micro-step is part of the name for per-micro-step values
+(activations, `grad_unreduced` with `monitor_mbs_grad`). mindmon's points map to msprobe's as follows:
+
+    param_origin -> param_origin      grad_unreduced -> acc_grad     exp_avg    -> exp_avg      actv      -> actv
+    param_updated -> param_updated    grad_reduced   -> post_grad    exp_avg_sq -> exp_avg_sq   actv_grad -> actv_grad
+    mg_direction -> mg_direction      adam_update(_histogram) -> adam_update    adam_ratio(_histogram) -> adam_ratio
+
+A histogram's heat map image takes the bare tag name (`0:fc1.weight/rank0/adam_update`), as msprobe's
+heat maps do. Kinds without an msprobe point (the L2 features, collectives, losses) have no tag name here.
+
+Example:
+    tag_name("grad_reduced", "fc1.weight", None, 0)      # '0:fc1.weight/rank0/post_grad'
+    scalar_tag(tag_name("actv", "fc1.output", 1, 0), "norm")   # '0:fc1.output:1/rank0/actv_norm'
+    read_tag("0:fc1.output:1/rank0/actv_norm")           # MsprobeTag(0, 'fc1.output', 1, 0, 'actv', 'norm')
+"""
+import re
+from typing import NamedTuple, Optional
+
+VPP_STAGE = 0
+POINTS = {   # mindmon kind -> msprobe point
+    "param_origin": "param_origin", "param_updated": "param_updated", "grad_unreduced": "acc_grad",
+    "grad_reduced": "post_grad", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "actv": "actv",
+    "actv_grad": "actv_grad", "mg_direction": "mg_direction", "adam_update": "adam_update",
+    "adam_ratio": "adam_ratio", "adam_update_histogram": "adam_update", "adam_ratio_histogram": "adam_ratio",
+}
+KINDS = {point: kind for kind, point in POINTS.items() if not kind.endswith("_histogram")}   # the way back
+_TAG = re.compile(r"^(?P<vpp>\d+):(?P<name>.*?)(?::(?P<micro>\d+))?/rank(?P<rank>\d+)/(?P<rest>[^/]+)$")
+
+
+class MsprobeTag(NamedTuple):
+    vpp_stage: int
+    name: str
+    micro_step: Optional[int]
+    rank: int
+    point: str
+    statistic: Optional[str]   # None for a bare tag name
+
+    @property
+    def kind(self) -> str:
+        """mindmon's kind of the point."""
+        return KINDS[self.point]
+
+
+def tag_name(kind: str, name: str, micro_step: Optional[int], rank: int) -> Optional[str]:
+    """msprobe's tag name of a tensor at a point; None when the kind has no msprobe point."""
+    point = POINTS.get(kind)
+    if point is None:
+        return None
+    micro = "" if micro_step is None else f":{micro_step}"
+    return f"{VPP_STAGE}:{name}{micro}/rank{rank}/{point}"
+
+
+def scalar_tag(name_of_tag: str, statistic: str) -> str:
+    return f"{name_of_tag}_{statistic}"
+
+
+def read_tag(tag: str) -> Optional[MsprobeTag]:
+    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling."""
+    match = _TAG.match(tag)
+    if match is None:
+        return None
+    rest, statistic = match.group("rest"), None
+    if rest not in KINDS:
+        point = next((p for p in sorted(KINDS, key=len, reverse=True) if rest.startswith(p + "_")), None)
+        if point is None:
+            return None
+        rest, statistic = point, rest[len(point) + 1:]
+    micro = match.group("micro")
+    return MsprobeTag(int(match.group("vpp")), match.group("name"), None if micro is None else int(micro),
+                      int(match.group("rank")), rest, statistic)
