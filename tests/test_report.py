@@ -110,3 +110,37 @@ def test_report_on_a_parsed_log(view_demo, tmp_path):
     run_report(tmp_path / "parsed", tmp_path / "parsed.html")
     assert set(images((tmp_path / "parsed.html").read_text())) == {
         "loss", "gradient norms", "tokens per expert", "max attention logit"}
+
+
+def test_update_and_ratio_heat_maps_from_the_histogram_records(tmp_path):
+    """ur_distribution's histogram records (the JSONL's counts of the bias-corrected Adam update and
+    ratio): the page draws one heat map per (kind, tensor), whose columns are the steps' counts in order,
+    below -1 / the 30 bins / above 1 / NaN, as numpy's histogram of the same vectors gives them."""
+    from mindmon.analysis.report import heatmap_columns
+    from mindmon.formats.histogram import histogram
+    from mindmon.formats.jsonl import read_records
+
+    rng = np.random.default_rng(3)
+    vectors = {(kind, step): rng.standard_normal(50) * scale
+               for kind, scale in (("adam_update_histogram", 0.5), ("adam_ratio_histogram", 2.0)) for step in (3, 1, 2)}
+    vectors[("adam_ratio_histogram", 2)][:4] = np.nan
+    rows = [{"step": step, "micro_step": None, "rank": 0, "kind": kind, "name": "fc1.weight",
+             "value": histogram(vector)} for (kind, step), vector in vectors.items()]
+    rows += [{"step": s, "micro_step": None, "rank": 0, "kind": "loss", "name": "loss", "value": 1.0 / s} for s in (1, 2, 3)]
+    path = tmp_path / "monitor" / "rank_0" / "metrics.jsonl"
+    write_records(path, rows)
+    columns = heatmap_columns(read_records(str(path)))
+    for kind in ("adam_update_histogram", "adam_ratio_histogram"):
+        matrix, steps = columns[(kind, "fc1.weight")]
+        assert steps == [1, 2, 3] and matrix.shape == (33, 3)
+        for column, step in enumerate(steps):
+            flat = vectors[(kind, step)]
+            inside, _ = np.histogram(flat[np.isfinite(flat)], bins=30, range=(-1.0, 1.0))
+            want = [np.sum(flat < -1), *inside, np.sum(flat > 1), np.sum(np.isnan(flat))]
+            np.testing.assert_array_equal(matrix[:, column], want)
+            assert matrix[:, column].sum() == flat.size
+    result = run_report(tmp_path, tmp_path / "page.html")
+    assert result.returncode == 0, result.stderr
+    section = (tmp_path / "page.html").read_text().split("<h2>Rank ")[1]
+    assert "Adam update and ratio heat maps" in section
+    assert {"adam_update_histogram fc1.weight", "adam_ratio_histogram fc1.weight"} <= set(images(section))

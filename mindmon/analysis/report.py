@@ -23,6 +23,7 @@ from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE,
                       LOSS_COMPONENT_STEP, MAX_ATTENTION_LOGIT, MAX_NORM, MOE_MAX_OVER_MEAN, TOKENS_PER_EXPERT,
                       UPDATE_SKIPPED, Record)
 from mindmon.formats.columnar import records_of
+from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, Engine, skipped_lines_sql
 from mindmon.analysis.to_tensorboard import rank_shape
 
@@ -260,6 +261,34 @@ def max_logit_figure(records: List[Record]) -> Optional[str]:
     return _png(fig)
 
 
+def heatmap_columns(records: List[Record]) -> Dict[Tuple[str, str], Tuple[np.ndarray, List[int]]]:
+    """{(kind, tensor): (counts [33 rows: below -1, the 30 bins, above 1, NaN] x steps, the steps)} of the
+    update/ratio histogram records (mindmon/formats/histogram.py), steps in order."""
+    columns: Dict[Tuple[str, str], Dict[int, List[float]]] = defaultdict(dict)
+    for record in records:
+        if record.kind in HISTOGRAM_KINDS:
+            columns[(record.kind, record.name)][record.step] = list(record.value)
+    return {key: (np.array([by_step[s] for s in sorted(by_step)], dtype=np.float64).T, sorted(by_step))
+            for key, by_step in columns.items()}
+
+
+def heatmaps_html(records: List[Record]) -> str:
+    """kj600's heat maps of the bias-corrected Adam update and ratio, one image per (kind, tensor)."""
+    from mindmon.extras import require
+    from mindmon.sinks.heatmap import draw
+
+    require("report", "matplotlib")
+    from matplotlib.image import imsave
+
+    parts = []
+    for (kind, name), (matrix, steps) in list(heatmap_columns(records).items())[:HEATMAPS_SHOWN]:
+        buffer = io.BytesIO()
+        imsave(buffer, draw(matrix, steps, f"{name}: {kind}"), format="png")
+        png = base64.b64encode(buffer.getvalue()).decode("ascii")
+        parts.append(f'<img alt="{html.escape(kind)} {html.escape(name)}" src="data:image/png;base64,{png}">')
+    return "\n".join(parts)
+
+
 def _table(rows: Dict[str, Dict[str, float]]) -> str:
     if not rows:
         return ""
@@ -272,7 +301,8 @@ def _table(rows: Dict[str, Dict[str, float]]) -> str:
 
 # The kinds the figures draw; local_norm (four times device_norm's rows) only when a rank has no device_norm.
 FIGURE_KINDS = (LOCAL_LOSS, DEVICE_LOSS, LOSS, GRAD_NORM, LEARNING_RATE, MAX_NORM, DEVICE_NORM, TOKENS_PER_EXPERT,
-                MOE_MAX_OVER_MEAN, MAX_ATTENTION_LOGIT, LOSS_COMPONENT_STEP, UPDATE_SKIPPED)
+                MOE_MAX_OVER_MEAN, MAX_ATTENTION_LOGIT, LOSS_COMPONENT_STEP, UPDATE_SKIPPED) + HISTOGRAM_KINDS
+HEATMAPS_SHOWN = 12   # update/ratio heat maps drawn per rank (the first tensors in file order)
 
 
 def figure_records(engine, rank: int) -> List[Record]:
@@ -324,6 +354,9 @@ def rank_section(engine, rank: int, progress=None) -> str:
             parts.append(_table({name: imbalance(tokens) for name, (_, tokens) in layers.items()}))
         if progress is not None:
             print(f"mindmon report: rank {rank}: {title}", file=progress, flush=True)
+    maps = heatmaps_html(records)
+    if maps:
+        parts.append("<h3>Adam update and ratio heat maps (ur_distribution)</h3>" + maps)
     return "\n".join(parts)
 
 
