@@ -105,19 +105,25 @@ def test_csv2tensorboard_by_step_and_command(tmp_path, output_root, capsys):
     stamp = re.match(r"(.*)-rank0-", os.path.basename(folder)).group(1)
     written = csv2tensorboard_by_step(str(output_root), stamp, stamp, data_type_list=["actv", "grad_reduced"],
                                       output_dirpath=str(tmp_path / "tb"))
-    assert written == [str(tmp_path / "tb" / "rank_0")]
-    tags = scalars(written[0])
-    assert {t.split("/")[0] for t in tags} == {"actv", "grad_reduced"}
+    # msprobe's layout: rank<r>/<data type>/, tags vp<stage>:<name>[:micro<m>]/<op>, the CSV's 0-based step
+    assert sorted(written) == [str(tmp_path / "tb" / "rank0" / kind) for kind in ("actv", "grad_reduced")]
     reference = {**activation_rows(STEPS), **reference_run(steps=STEPS)}
-    for tag, points in tags.items():
-        kind, name, op = tag.split("/")
-        for x, value in points.items():
-            key = (kind, x // K, x % K, name) if kind == "actv" else (kind, x - 1, None, name)
-            assert_close(value, statistic(reference[key], op))
+    for directory in written:
+        kind = os.path.basename(directory)
+        tags = scalars(directory)
+        assert tags and all(tag.startswith("vp0:") for tag in tags)
+        for tag, points in tags.items():
+            row, op = tag.rsplit("/", 1)
+            parts = row[len("vp0:"):].split(":micro")
+            name, micro = parts[0], (int(parts[1]) if len(parts) == 2 else None)
+            assert (micro is not None) == (kind == "actv")
+            assert sorted(points) == list(range(STEPS))
+            for step, value in points.items():
+                assert_close(value, statistic(reference[(kind, step, micro, name)], op))
     assert main(["csv2tensorboard", str(output_root), stamp, stamp, "--data-type", "actv_grad",
                  "-o", str(tmp_path / "tb2")]) == 0
-    assert str(tmp_path / "tb2" / "rank_0") in capsys.readouterr().out
-    assert {t.split("/")[0] for t in scalars(str(tmp_path / "tb2" / "rank_0"))} == {"actv_grad"}
+    assert str(tmp_path / "tb2" / "rank0" / "actv_grad") in capsys.readouterr().out
+    assert all(t.startswith("vp0:") and ":micro" in t for t in scalars(str(tmp_path / "tb2" / "rank0" / "actv_grad")))
     assert main(["csv2tensorboard", str(output_root), "Jan01_00-00-00", "Jan01_00-00-01"]) == 1
     with pytest.raises(ValueError, match="data_type_list: got 'weights'"):
         csv2tensorboard_by_step(str(output_root), stamp, stamp, data_type_list=["weights"])

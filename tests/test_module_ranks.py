@@ -53,21 +53,22 @@ def test_csv2tensorboard_by_step_with_two_processes(run, tmp_path):
     assert len(stamps) == RANKS
     written = csv2tensorboard_by_step(str(root), stamps[0], stamps[-1], process_num=2,
                                       data_type_list=list(KINDS), output_dirpath=str(tmp_path / "tb"))
-    assert sorted(written) == [str(tmp_path / "tb" / f"rank_{r}") for r in range(RANKS)]
+    assert sorted(written) == sorted(str(tmp_path / "tb" / f"rank{r}" / k) for r in range(RANKS) for k in KINDS)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     for rank in range(RANKS):
-        accumulator = EventAccumulator(str(tmp_path / "tb" / f"rank_{rank}"))
-        accumulator.Reload()
-        tags = accumulator.Tags()["scalars"]
-        assert set(tags) == {f"{k}/{n}/{op}" for k in KINDS for n in NAMES for op in OPS}
         reference = reference_run(REFERENCE[rank])
-        for tag in tags:
-            kind, name, op = tag.split("/")
-            points = {e.step: e.value for e in accumulator.Scalars(tag)}
-            assert sorted(points) == list(range(1, STEPS + 1))   # csv2tensorboard: CSV step + 1
-            for x, value in points.items():
-                assert close(value, statistic(reference[(kind, x - 1, None, name)], op)), (rank, tag, x)
+        for kind in KINDS:   # msprobe's layout: rank<r>/<data type>/, tags vp0:<name>/<op>, 0-based steps
+            accumulator = EventAccumulator(str(tmp_path / "tb" / f"rank{rank}" / kind))
+            accumulator.Reload()
+            tags = accumulator.Tags()["scalars"]
+            assert set(tags) == {f"vp0:{n}/{op}" for n in NAMES for op in OPS}
+            for tag in tags:
+                name, op = tag[len("vp0:"):].rsplit("/", 1)
+                points = {e.step: e.value for e in accumulator.Scalars(tag)}
+                assert sorted(points) == list(range(STEPS))
+                for step, value in points.items():
+                    assert close(value, statistic(reference[(kind, step, None, name)], op)), (rank, tag, step)
     # the two ranks trained with different optimizers: their updated weights differ
     a, b = reference_run(REFERENCE[0]), reference_run(REFERENCE[1])
     assert abs(statistic(a[("param_updated", 0, None, "fc1.weight")], "norm") -

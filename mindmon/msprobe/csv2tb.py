@@ -5,22 +5,24 @@
                             data_type_list=["actv", "grad_reduced"], output_dirpath="./tb")
 
 Converts every run folder `<MonDD_HH-MM-SS>-rank<r>-<id>` under `monitor_path` whose timestamp lies in
-[time_start, time_end] (both included) into `<output_dirpath>/rank_<r>/events.out.tfevents.*` (default
-output: `./<MonDD_HH-MM-SS>_csv2tensorboard_by_step`, the current time). Tags `<data type>/<name>/<op>`
-(`actv/fc1.output/norm`), the same as mindmon's live TensorBoard sink: per-step rows against the step
-(CSV step + 1), per-micro-step rows (`micro_step` column) against the global micro-step
-(CSV step * K + micro_step, K = the largest micro_step + 1 in the folder). `process_num` folders are
-converted at once, each in its own process.
+[time_start, time_end] (both included) as msprobe's own tool lays it out: one event directory per rank and
+data type, `<output_dirpath>/rank<r>/<data type>/events.out.tfevents.*` (default output:
+`./<MonDD_HH-MM-SS>_csv2tensorboard_by_step`, the current time; an existing directory of the same rank and
+type is replaced), tags `vp<vpp_stage>:<name>/<op>` (`vp0:fc1.weight/norm`), per-micro-step rows as
+`vp<vpp_stage>:<name>:micro<m>/<op>`, every point against the CSV's own 0-based step. `process_num` folders
+are converted at once, each in its own process.
 """
 import glob
 import os
 import re
+import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime
 from itertools import groupby
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from mindmon.chunks import split_chunk
 from mindmon.formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT, read_csv
 
 DATA_TYPES = ("actv", "actv_grad", "exp_avg", "exp_avg_sq", "grad_unreduced", "grad_reduced", "param_origin",
@@ -47,24 +49,38 @@ def _stamp(value: str, name: str) -> datetime:
         raise ValueError(f"{name}: got {value!r}; allowed: a run-folder timestamp like 'Dec03_21-34-40'") from None
 
 
-def convert_folder(rank: int, folder: str, data_types: Sequence[str], output_dirpath: str) -> str:
-    """One run folder's CSV files of `data_types` into `<output_dirpath>/rank_<rank>/`; returns that path."""
-    from mindmon.engine import RunInfo
-    from mindmon.sinks.tensorboard import TensorBoardSink
+def msprobe_tag(record) -> str:
+    """msprobe's csv2tensorboard spelling of a row: `vp<vpp_stage>:<name>[:micro<m>]`."""
+    chunk, name = split_chunk(record.name)
+    return f"vp{chunk}:{name}" + ("" if record.micro_step is None else f":micro{record.micro_step}")
 
-    records = []
+
+def convert_folder(rank: int, folder: str, data_types: Sequence[str], output_dirpath: str) -> List[str]:
+    """One run folder's CSV files of `data_types` into `<output_dirpath>/rank<rank>/<data type>/`; returns
+    the directories written."""
+    from mindmon.sinks.event_file import EventFile
+
+    by_type: Dict[str, list] = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):
         match = _CSV.match(os.path.basename(path))
         if match and match.group("prefix") in data_types:
-            records += read_csv(path, rank)
-    micro = max((r.micro_step + 1 for r in records if r.micro_step is not None), default=1)
-    sink = TensorBoardSink(output_dirpath)
-    sink.open(RunInfo(rank, micro_steps_per_step=micro))
-    records.sort(key=lambda r: r.step)
-    for _, step_records in groupby(records, key=lambda r: r.step):
-        sink.write(list(step_records))
-    sink.close()
-    return sink.log_dir
+            by_type.setdefault(match.group("prefix"), []).extend(read_csv(path, rank))
+    written = []
+    for data_type, records in by_type.items():
+        log_dir = os.path.join(output_dirpath, f"rank{rank}", data_type)
+        shutil.rmtree(log_dir, ignore_errors=True)
+        os.makedirs(log_dir)
+        events = EventFile(log_dir)
+        records.sort(key=lambda r: r.step)
+        for _, step_records in groupby(records, key=lambda r: r.step):
+            for record in step_records:
+                tag = msprobe_tag(record)
+                for op, value in zip(record.ops, record.value):
+                    events.add_scalar(f"{tag}/{op}", value, record.step - 1)   # records count from 1
+            events.flush()
+        events.close()
+        written.append(log_dir)
+    return written
 
 
 def csv2tensorboard_by_step(monitor_path: str, time_start: str, time_end: str, process_num: int = 1,
@@ -83,10 +99,10 @@ def csv2tensorboard_by_step(monitor_path: str, time_start: str, time_end: str, p
     output = output_dirpath or f"{datetime.now().strftime(RUN_FOLDER_TIME_FORMAT)}_csv2tensorboard_by_step"
     folders = run_folders(monitor_path, time_start, time_end)
     if process_num == 1 or len(folders) < 2:
-        return [convert_folder(rank, folder, data_types, output) for rank, folder in folders]
+        return [d for rank, folder in folders for d in convert_folder(rank, folder, data_types, output)]
     with ProcessPoolExecutor(min(process_num, len(folders))) as pool:
         futures = [pool.submit(convert_folder, rank, folder, data_types, output) for rank, folder in folders]
-        return [future.result() for future in futures]
+        return [d for future in futures for d in future.result()]
 
 
 def add_arguments(parser) -> None:
