@@ -163,6 +163,27 @@ class MindmonConfig(_Sections):
                 "callbacks": [dict(c) for c in self.callbacks]}
 
 
+@dataclass(frozen=True)
+class OnOffSection:
+    """A feature's section that only switches it on: `{enabled: true}` (subclasses document the feature)."""
+
+    enabled: bool = False
+
+    KEYS = ("enabled",)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled
+
+    @classmethod
+    def parse(cls, path: str, section: Any) -> "OnOffSection":
+        section = check_keys(path, section, cls.KEYS)
+        return cls(check_bool(f"{path}.enabled", section.get("enabled", False)))
+
+    def to_dict(self) -> dict:
+        return {"enabled": self.enabled}
+
+
 def parse_metrics_formats(path: str, value: Any) -> Tuple[str, ...]:
     """A non-empty list of distinct METRICS_FORMATS (a single name is accepted too)."""
     formats = [value] if isinstance(value, str) else value
