@@ -9,7 +9,7 @@ from mindspore import Tensor
 
 from mindmon.kernels import stats
 from mindmon.features.tensor_stats.accumulate import GradientSums
-from mindmon.kernels.one_pass import add_at
+from mindmon.kernels.one_pass import adds_at
 
 
 def _sums(direct: bool) -> GradientSums:
@@ -35,11 +35,11 @@ def test_sums_equal_numpy_for_every_dtype_and_layout(rng, direct, monkeypatch):
 
     by_address = []
 
-    def counted_add_at(total, address, first):
-        by_address.append(total.size)
-        add_at(total, address, first)
+    def counted_adds_at(table, *args):
+        by_address.extend(table[2::5].tolist())   # the size of each gradient added at its address
+        return adds_at(table, *args)
 
-    monkeypatch.setattr(accumulate, "add_at", counted_add_at)
+    monkeypatch.setattr(accumulate, "adds_at", counted_adds_at)
     pointer_views = []
     view = stats.direct_view
     monkeypatch.setattr(stats, "direct_view", lambda *args: (pointer_views.append(args[1]), view(*args))[1])
@@ -165,3 +165,96 @@ def test_a_count_other_than_grad_acc_steps_is_said_once(rng, caplog):
         fresh.check_count(2, 0)                 # as expected: nothing said
         fresh.check_count(2, 1)                 # nothing came at all: nothing said
     assert not caplog.records
+
+
+OPS = ("min", "max", "mean", "norm", "zeros", "nans")
+
+
+def _numpy_row(array: np.ndarray, eps: float = 1e-8) -> list:
+    flat = array.reshape(-1).astype(np.float64)
+    if np.isnan(flat).any():
+        return [np.nan, np.nan, np.nan, np.nan, float(np.mean(np.abs(flat) < eps)), float(np.isnan(flat).sum())]
+    return [flat.min(), flat.max(), flat.mean(), np.sqrt(np.dot(flat, flat)), float(np.mean(np.abs(flat) < eps)), 0.0]
+
+
+def _queued_sums(hooked: int, micro_batches: int, ops=OPS):
+    from mindmon.features.tensor_stats.monitor import TensorStats
+
+    sums = _sums(direct=True)
+    stats = TensorStats(ops, 1e-8, on_host=True)
+    sums.expect(hooked, micro_batches, stats)
+    return sums, stats
+
+
+def test_queued_gradients_are_added_when_every_hook_has_given_one_and_copied_before_the_caller_has_them(rng):
+    """Hooks only queue; the queue is added when the micro-batch's last hooked gradient comes (the end of
+    the backward pass, before the loop gets the gradients), so changing them afterwards changes no sum."""
+    sums, _ = _queued_sums(hooked=2, micro_batches=2)
+    grads = {name: _micro_batches(rng, (40, 30), np.float32, count=2) for name in ("a", "b")}
+    tensors = {name: [Tensor(g.copy()) for g in micro] for name, micro in grads.items()}
+    sums.add(0, "a", tensors["a"][0])
+    assert sums._sums == {}                       # queued, nothing added yet
+    sums.add(1, "b", tensors["b"][0])             # the micro-batch's last hook: both added
+    assert sorted(sums._sums) == [0, 1]
+    for name in grads:
+        tensors[name][0].asnumpy()[...] = 1e6     # the loop accumulates into its gradients in place
+    sums.add(0, "a", tensors["a"][1])
+    sums.add(1, "b", tensors["b"][1])
+    found = dict(sums.named_sums())
+    for name, (first, second) in grads.items():
+        assert np.array_equal(found[name].array, first + second), name
+
+
+def test_a_second_gradient_of_one_parameter_flushes_a_micro_batch_some_hooks_missed(rng):
+    sums, _ = _queued_sums(hooked=3, micro_batches=2)   # the third parameter never gets a gradient
+    first, second = _micro_batches(rng, (17,), np.float32, count=2)
+    other = _micro_batches(rng, (5, 5), np.float32, count=2)
+    sums.add(0, "w", Tensor(first))
+    sums.add(1, "v", Tensor(other[0]))
+    sums.add(0, "w", Tensor(second))                   # a new micro-batch: the first is added now
+    sums.add(1, "v", Tensor(other[1]))
+    found = dict(sums.named_sums())                    # the optimizer call flushes the rest
+    assert np.array_equal(found["w"].array, first + second)
+    assert np.array_equal(found["v"].array, other[0] + other[1])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_statistics_of_the_sums_taken_at_the_last_add_equal_numpy(rng, micro_batches, monkeypatch):
+    from mindmon.features.tensor_stats import accumulate
+
+    taken_later = []
+    later = accumulate.host_statistics
+    monkeypatch.setattr(accumulate, "host_statistics",
+                        lambda tensors, *args: (taken_later.append(len(tensors)), later(tensors, *args))[1])
+    shapes = {"big": (70, 90), "small": (33,), "scalar": (), "with_nan": (50, 100), "zeros": (4096 + 7,)}
+    micro = {name: _micro_batches(rng, shape, np.float32, count=micro_batches) for name, shape in shapes.items()}
+    micro["with_nan"][-1].reshape(-1)[123] = np.nan
+    for array in micro["zeros"]:
+        array.reshape(-1)[::3] = 0.0
+    sums, stats = _queued_sums(hooked=len(shapes), micro_batches=micro_batches)
+    for k in range(micro_batches):
+        for index, name in enumerate(shapes):
+            sums.add(index, name, Tensor(micro[name][k]))
+    computed = sums.for_recording(stats)
+    assert computed.names == list(shapes) and computed.ops == OPS
+    assert taken_later == [1]                      # only the sum holding NaN is read again (numpy's rules)
+    for name, row in zip(computed.names, computed.values):
+        total = micro[name][0].copy()
+        for array in micro[name][1:]:
+            total = total + array                  # float32, in order, as the sums are made
+        # float32 block sums: the mean is within float32 rounding of the sum of |x|, not of itself
+        scale = float(np.nanmean(np.abs(total))) if total.size else 0.0
+        np.testing.assert_allclose(row, _numpy_row(total), rtol=2e-6, atol=2e-6 * scale, err_msg=name)
+    assert [tuple(map(int, shape)) for shape, _ in computed.layouts] == list(shapes.values())
+
+
+def test_statistics_are_taken_again_when_the_sum_changed_after_its_last_add_or_the_ops_did(rng):
+    sums, stats = _queued_sums(hooked=1, micro_batches=2)
+    grads = _micro_batches(rng, (64, 64), np.float32, count=3)
+    for grad in grads:                              # three micro-batches where two were expected
+        sums.add(0, "w", Tensor(grad))
+    np.testing.assert_allclose(sums.for_recording(stats).values[0], _numpy_row(grads[0] + grads[1] + grads[2]),
+                               rtol=2e-6)
+    stats.ops = ("norm", "max")                     # msprobe lets ops change while training
+    np.testing.assert_allclose(sums.for_recording(stats).values[0],
+                               np.array(_numpy_row(grads[0] + grads[1] + grads[2]))[[3, 1]], rtol=2e-6)

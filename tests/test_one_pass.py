@@ -425,21 +425,38 @@ def test_add_and_squares_against_float64_numpy():
                 assert own == 0.0 if k == 0 else abs(own - np.dot(mine, mine)) <= tolerance * np.dot(mine, mine)
 
 
-def test_add_at_copies_then_adds_what_lies_at_the_address():
-    """A gradient hook's add from a tensor's data pointer: `first` copies, later calls add, exactly as numpy
-    adds float32 (sizes across the loop's vector width); only `total.size` values are read."""
-    from mindmon.kernels.one_pass import add_at
+def test_adds_at_copies_then_adds_what_lies_at_the_addresses_and_takes_the_finished_sums_statistics():
+    """The gradient hooks' queue added in one call: `first` copies, later adds, exactly as numpy adds float32
+    (sizes across the loop's vector width, several sums in one table); only `size` values are read at each
+    address; a row >= 0 gets `numpy_stats` of the sum just made, one holding NaN is handed back untouched."""
+    from mindmon.kernels.one_pass import adds_at
+    from mindmon.kernels.stats import SMALL
 
     rng = np.random.default_rng(9)
-    for size in (1, 7, 8, 9, 4097, 100_003):
-        micro = [rng.normal(0.0, 1.0 + k, size=size + 1).astype(np.float32) for k in range(3)]
-        for gradient in micro:
+    sizes = (1, 7, 8, 9, 4097, 100_003)
+    micro = {size: [rng.normal(0.0, 1.0 + k, size=size + 1).astype(np.float32) for k in range(3)] for size in sizes}
+    for gradients in micro.values():
+        for gradient in gradients:
             gradient[-1] = np.nan   # one past the end: must not reach the sum
-        total, expected = np.full(size, np.nan, np.float32), None
-        for k, gradient in enumerate(micro):
-            add_at(total, gradient.ctypes.data, k == 0)
-            expected = gradient[:size].copy() if k == 0 else expected + gradient[:size]
-            assert np.array_equal(total, expected), (size, k)
+    micro[9][2][4] = np.nan         # this sum holds a NaN: its statistics are left to numpy's rules
+    totals = {size: np.full(size, np.nan, np.float32) for size in sizes}
+    expected = {}
+    codes = np.arange(6, dtype=np.int64)
+    for k in range(3):
+        last = k == 2
+        table = np.array([value for row, size in enumerate(sizes) for value in
+                          (totals[size].ctypes.data, micro[size][k].ctypes.data, size, k == 0, row if last else -1)],
+                         dtype=np.int64)
+        rows, redo = adds_at(table, 1e-8, SMALL, codes, len(sizes))
+        for size in sizes:
+            expected[size] = micro[size][k][:size].copy() if k == 0 else expected[size] + micro[size][k][:size]
+            assert np.array_equal(totals[size], expected[size], equal_nan=True), (size, k)
+        if not last:
+            assert redo.size == 0 and np.isnan(rows).all()   # no statistics asked for
+    assert redo.tolist() == [sizes.index(9)] and np.isnan(rows[sizes.index(9)]).all()
+    for row, size in enumerate(sizes):
+        if size != 9:
+            assert rows[row].tolist() == numpy_stats(expected[size], ALL[:6], 1e-8), size
 
 
 def test_float32_sums_take_float32_values_as_they_are():

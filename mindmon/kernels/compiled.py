@@ -1,6 +1,6 @@
 """The statistics loops and their compilation by numba: the one-pass loop over a numpy array and over
-memory at an address, the training step's gradient add with its norms, a gradient hook's add from an
-address. `mindmon.kernels.one_pass` is their API.
+memory at an address, the training step's gradient add with its norms, the gradient hooks' adds from
+addresses. `mindmon.kernels.one_pass` is their API.
 
 The loops are plain Python (they also run as written with NUMBA_DISABLE_JIT=1). The address form is for
 tensors: a tensor's data pointer goes straight into the compiled code, where building a numpy array around
@@ -70,7 +70,7 @@ def one_pass_loop(values, signed, unsigned, eps, zero):
 
 
 def copy_or_add(total, micro, first):
-    """The loop `add_at` compiles (alone: it vectorises)."""
+    """The add `adds_at` makes of each gradient (compiled alone: it vectorises)."""
     if first:
         for i in range(total.size):
             total[i] = micro[i]
@@ -225,14 +225,53 @@ float32_at = _python_float32_at if numba.config.DISABLE_JIT else _jit(_float32_a
 _copy_or_add_loop = _jit(copy_or_add, fastmath=True)
 
 
-def _add_at(total, address, first):
-    _copy_or_add_loop(total, numba.carray(_FLOAT32(address), total.size), first)
-
-
 def _python_add_at(total, address, first):
-    """`_add_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
+    """A gradient's add from its address as plain Python (NUMBA_DISABLE_JIT=1)."""
     micro = np.frombuffer((ctypes.c_char * (total.size * 4)).from_address(address), np.float32)
     copy_or_add(total, micro, first)
 
 
-add_at = _python_add_at if numba.config.DISABLE_JIT else _jit(_add_at)
+def _adds_at(table, eps, small_size, codes, n_rows):
+    """Many `add_at`s in one call, from `table` int64 [5 * adds]: (sum's address, gradient's address, size,
+    first, row) after one another; a row >= 0 also takes the statistics of the sum just made into
+    `rows[row]`, reading it while it is still in cache. Returns rows and the rows whose sums hold NaN or inf."""
+    eps = np.float32(eps)
+    rows = np.full((n_rows, codes.size), np.nan)
+    redo = np.empty(table.size // 5, np.int64)
+    count = 0
+    for k in range(table.size // 5):
+        target, source, size, first, row = (table[5 * k], table[5 * k + 1], table[5 * k + 2], table[5 * k + 3],
+                                            table[5 * k + 4])
+        total = numba.carray(_FLOAT32(target), size)
+        _copy_or_add_loop(total, numba.carray(_FLOAT32(source), size), first != 0)
+        if row < 0:
+            continue
+        signed, unsigned = numba.carray(_INT32(target), size), numba.carray(_UINT32(target), size)
+        if size <= small_size:
+            found = array_loop(total, signed, unsigned, eps, 0.0)
+        else:
+            found = array_loop(total, signed, unsigned, eps, np.float32(0))
+        if not statistics_row(found, size, codes, rows[row], False):
+            redo[count] = row
+            count += 1
+    return rows, redo[:count]
+
+
+def _python_adds_at(table, eps, small_size, codes, n_rows):
+    """`_adds_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
+    eps = np.float32(eps)
+    rows = np.full((n_rows, codes.size), np.nan)
+    redo = []
+    for target, source, size, first, row in table.reshape(-1, 5).tolist():
+        total = np.frombuffer((ctypes.c_char * (size * 4)).from_address(target), np.float32)
+        _python_add_at(total, source, first != 0)
+        if row < 0:
+            continue
+        zero = np.float64(0) if size <= small_size else np.float32(0)
+        if not statistics_row_loop(one_pass_loop(total, total.view(np.int32), total.view(np.uint32), eps, zero),
+                                   size, codes, rows[row]):
+            redo.append(row)
+    return rows, np.array(redo, np.int64)
+
+
+adds_at = _python_adds_at if numba.config.DISABLE_JIT else _jit(_adds_at)

@@ -79,7 +79,8 @@ def prepare() -> None:
         reductions(one, 1e-8, wide)
     reductions_at(np.array([0, one.ctypes.data, 1, 0], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), 1)
     add_and_squares(one.copy(), one, True)
-    add_at(one.copy(), one.ctypes.data, True)
+    adds_at(np.array([one.copy().ctypes.data, one.ctypes.data, 1, 1, 0], dtype=np.int64), 1e-8, 1,
+            np.zeros(1, np.int64), 1)
 
 
 _compiled_module = None
@@ -103,10 +104,13 @@ def add_and_squares(total: np.ndarray, micro: np.ndarray, first: bool) -> Tuple[
     return _compiled().add_and_squares(total, micro, first)
 
 
-def add_at(total: np.ndarray, address: int, first: bool) -> None:
-    """`total += micro` (`total[:] = micro` when `first`), `micro` being `total.size` float32 values at
-    `address` (a CPU tensor's data pointer, memory the caller keeps alive): for a gradient hook, building
-    a numpy array around the pointer cost about as much as the add of a gradient of 100,000 elements."""
-    _compiled().add_at(total, address, first)
-
-
+def adds_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n_rows: int
+            ) -> Tuple[np.ndarray, np.ndarray]:
+    """Many `add_at`s in one call: `table` is int64 [5 * adds], (sum's address, gradient's address, size,
+    first, row) after one another, float32 memory the caller keeps alive. Where `row` >= 0 the statistics
+    `codes` name (as `reductions_at` takes them) of the sum just made go to `rows[row]`, read right after
+    the add, while the sum is in cache. Returns `rows`, float64 [n_rows, codes] (NaN where no statistics
+    were asked for), and the rows whose sums hold NaN or inf, left for the caller to take with NaN rules.
+    One call for every gradient of a backward pass: a call per gradient from its hook cost several times
+    its warm time (caches cold between MindSpore's kernels)."""
+    return _compiled().adds_at(table, float(eps), small_size, codes, n_rows)

@@ -188,10 +188,12 @@ class TensorStatsHooks:
         if wanted and not self._gradient_handles:
             self._gradient_handles = [register_gradient_hook(self.at.parameters[index], self._gradient_hook(index, name))
                                       for index, name in self.selected]
+            self.gradient_sums.expect(len(self._gradient_handles), self.at.grad_acc_steps, self.monitor.stats)
         elif not wanted:
             for handle in self._gradient_handles:
                 handle.remove()
             self._gradient_handles = []
+            self.gradient_sums.expect(0)
         if self.activations is not None:
             self.activations.follow_collection()
 
@@ -325,7 +327,7 @@ class TensorStatsHooks:
         if config.param_distribution:
             monitor.record(PARAM_ORIGIN, [(name, parameters[i]) for i, name in self.selected])
         if config.wg_distribution:
-            monitor.record(GRAD_UNREDUCED, self.gradient_sums.named_sums())
+            monitor.record(GRAD_UNREDUCED, self.gradient_sums.for_recording(self.monitor.stats))
         if config.wg_distribution and self.at.optimizer is not None:   # without one, nothing is reduced for it
             monitor.record(GRAD_REDUCED, self._reduced_gradients(inputs))
         if self.moments is not None:

@@ -75,7 +75,7 @@ def _float32_row(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool)
     last float32 bit). None when the array holds NaN or inf (numpy's rules then)."""
     flat = np.ascontiguousarray(flat)
     table = np.array([0, flat.ctypes.data, flat.size, scalar], dtype=np.int64)
-    rows, redo = reductions_at(table, eps, SMALL, _codes(ops), 1)
+    rows, redo = reductions_at(table, eps, SMALL, statistic_codes(ops), 1)
     return None if redo.size else rows[0].tolist()
 
 
@@ -114,7 +114,8 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
                 continue
         elsewhere.append(index)
     if located:
-        rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, SMALL, _codes(ops), len(tensors))
+        rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, SMALL, statistic_codes(ops),
+                                   len(tensors))
         for k in redo.tolist():   # NaN or inf: numpy's rules
             index = located[4 * k]
             rows[index] = numpy_stats(direct_view(tensors[index], "Float32"), ops, eps, not layouts[index][0])
@@ -129,8 +130,8 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
 _CODES: Dict[Tuple[str, ...], np.ndarray] = {}
 
 
-def _codes(ops: Sequence[str]) -> np.ndarray:
-    """`ops` as `reductions_at` takes them (remembered per ops tuple)."""
+def statistic_codes(ops: Sequence[str]) -> np.ndarray:
+    """`ops` as `reductions_at` and `adds_at` take them (remembered per ops tuple)."""
     codes = _CODES.get(tuple(ops))
     if codes is None:
         codes = _CODES[tuple(ops)] = np.array([ROW_STATISTICS.index(op) for op in ops], dtype=np.int64)
@@ -198,8 +199,19 @@ class Gathered(NamedTuple):
     ops: Tuple[str, ...]
 
 
+class ComputedStatistics(NamedTuple):
+    """Statistics taken already, recorded as they are: values float64 [tensors, ops], layouts each tensor's
+    (shape, dtype) (the gradient sums', taken in the pass that made them: mindmon.features.tensor_stats.accumulate)."""
+
+    names: List[str]
+    layouts: List[tuple]
+    values: np.ndarray
+    ops: Tuple[str, ...]
+
+
 class TensorStats:
-    """Statistics of named tensors, gathered per (point, micro_step); read with `results()`."""
+    """Statistics of named tensors, gathered per (point, micro_step); read with `results()`. A point may
+    also be given as `ComputedStatistics`."""
 
     def __init__(self, ops: Sequence[str], eps: float, on_host: bool):
         self.ops = tuple(ops)
@@ -209,6 +221,12 @@ class TensorStats:
         self.direct_views = StepDirectViews()
 
     def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
+        if isinstance(named_tensors, ComputedStatistics):
+            computed = named_tensors
+            if computed.names:
+                self._pending.append(Gathered(point, micro_step, computed.names, computed.layouts, computed.values,
+                                              computed.ops))
+            return
         if not named_tensors:
             return
         names = [name for name, _ in named_tensors]
