@@ -186,3 +186,29 @@ def test_accumulating_train_step_takes_a_fixed_loss_scale_manager(tmp_path):
     assert seen == [(64.0, False)] * STEPS   # 64 does not overflow float16 here: every update applied
     assert _rows(tmp_path, "loss_scale") == [64.0] * STEPS
     assert _rows(tmp_path, "skipped_steps") == [0.0] * STEPS
+
+
+def test_model_with_a_fixed_manager_that_never_drops_has_no_overflow_check_and_writes_the_loss(tmp_path):
+    """`FixedLossScaleManager(drop_overflow_update=False)`, the one manager Model takes on CPU, builds a plain
+    TrainOneStepCell: no overflow is checked, so no loss-scale records; the step's loss is written."""
+    import mindspore.dataset as ds
+    from mindspore import amp
+    from mindspore.train import Callback, Model
+
+    from mindmon.callbacks import ModelMonitorCallback
+
+    net, optimizer = float16_model()
+    x, y = _data()
+    dataset = ds.NumpySlicesDataset({"x": np.stack([x] * 3), "y": np.stack([y] * 3)}, shuffle=False)
+    losses = []
+
+    class Reader(Callback):   # the loss of the weights the step started from, in numpy
+        def on_train_step_begin(self, run_context):
+            weight, bias = (p.asnumpy().astype(np.float64) for p in net.trainable_params())
+            losses.append(float(np.mean((x.astype(np.float64) @ weight.T + bias - y) ** 2)))
+
+    model = Model(_loss_cell(net), optimizer=optimizer, loss_scale_manager=amp.FixedLossScaleManager(64.0, False))
+    model.train(1, dataset, callbacks=[Reader(), ModelMonitorCallback(_group(tmp_path))], dataset_sink_mode=False)
+    assert _rows(tmp_path, "loss") == pytest.approx(losses, rel=1e-2)
+    assert len(losses) == 3 and losses[0] != losses[-1]   # the weights did move
+    assert _rows(tmp_path, "loss_scale") == [] and _rows(tmp_path, "skipped_steps") == []
