@@ -24,7 +24,7 @@ MOE_MIN_TOKENS = "moe_min_tokens"
 MOE_MAX_TOKENS = "moe_max_tokens"
 MOE_IDLE_EXPERTS = "moe_idle_experts"         # experts that got no token in the step
 MOE_SUMMARY_KINDS = (MOE_MAX_OVER_MEAN, MOE_CV, MOE_MIN_TOKENS, MOE_MAX_TOKENS, MOE_IDLE_EXPERTS)
-MOE_DROPPED_TOKENS = "moe_dropped_tokens"     # routing slots dropped by the capacity limit in the step (this rank)
+MOE_DROPPED_TOKENS = "moe_dropped_tokens"     # routing slots dropped by the capacity limit in the step (data-parallel sum)
 
 # Written by rank 0 with monitor.across_ranks: name `<kind>/<parameter or layer>/<statistic>`, a statistic
 # (min, mean, max, min_rank, max_rank) over the data-parallel ranks of one per-rank value.

@@ -23,6 +23,7 @@ from mindspore import Tensor, ops, value_and_grad
 from mindmon.compat import narrow, with_device_of
 from mindmon.config import check_max_norm
 from mindmon.distributed import DataParallel
+from mindmon.features.loss_scale.scale import as_loss_scaler
 from mindmon.features.train_state.monitor import GradientSnapshot
 from mindmon.records import LOCAL_NORM
 from mindmon.parallel.reduce import model_parallel_sums
@@ -71,9 +72,10 @@ class AccumulatingTrainStep:
     as positional arguments) and returns the scalar loss. `group` may be None or inactive: then
     nothing is recorded and the step costs what plain accumulation costs.
 
-    `loss_scaler` (a mindspore.amp DynamicLossScaler or StaticLossScaler, for float16 models) scales
-    each micro-batch's loss before its backward and unscales its gradients after; once per step it
-    is adjusted with whether the global norm was finite. Every step records `loss_scale` (the scale
+    `loss_scaler` (a mindspore.amp DynamicLossScaler or StaticLossScaler, or a DynamicLossScaleManager or
+    FixedLossScaleManager, for float16 models) scales each micro-batch's loss before its backward and
+    unscales its gradients after; once per step it is adjusted with whether the global norm was finite
+    (a manager: its update_loss_scale(overflow)). Every step records `loss_scale` (the scale
     after that adjustment, whether the gradients overflowed, whether the update was skipped) for the
     loss_scale feature.
     """
@@ -95,7 +97,7 @@ class AccumulatingTrainStep:
         self.data_parallel = data_parallel or (layout.data_parallel if layout is not None else DataParallel())
         # A mindspore.amp loss scaler (float16 training): the loss is multiplied by its scale before the
         # backward, each micro-batch's gradients divided by it after, and it is adjusted once per step.
-        self.loss_scaler = loss_scaler
+        self.loss_scaler = as_loss_scaler(loss_scaler)
         self.grad_fn = value_and_grad(self._scaled_loss, None, optimizer.parameters, has_aux=True)
         # On CPU with float32 parameters the gradients are summed in one numpy buffer (stats.py).
         parameters = list(optimizer.parameters)

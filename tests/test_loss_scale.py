@@ -17,7 +17,7 @@ STEPS = 10
 START_SCALE, FACTOR, WINDOW = 2.0 ** 20, 2, 3
 
 
-def _float16_model():
+def float16_model():
     import mindspore as ms
     from mindspore import nn
 
@@ -67,7 +67,7 @@ def _plain_amp_loop(tmp_path, rules=None):
     Returns what the scaler itself did at every step: (scale after adjust, gradients finite)."""
     from mindspore import amp, value_and_grad
 
-    net, optimizer = _float16_model()
+    net, optimizer = float16_model()
     scaler = amp.DynamicLossScaler(START_SCALE, FACTOR, WINDOW)
     loss_fn = _mse(net)
     grad_fn = value_and_grad(lambda x, y: scaler.scale(loss_fn(x, y)), None, optimizer.parameters)
@@ -151,7 +151,7 @@ def test_accumulating_train_step_scales_skips_and_adjusts(tmp_path):
 
     from mindmon.step import AccumulatingTrainStep
 
-    net, optimizer = _float16_model()
+    net, optimizer = float16_model()
     scaler = amp.DynamicLossScaler(START_SCALE, FACTOR, WINDOW)
     group = _group(tmp_path)
     train_step = AccumulatingTrainStep(_mse(net), optimizer, 2, group, loss_scaler=scaler)
@@ -183,7 +183,7 @@ def test_dynamic_loss_scale_update_cell_and_its_parameter(tmp_path):
     import mindspore as ms
     from mindspore import Parameter, Tensor, amp, nn, value_and_grad
 
-    net, optimizer = _float16_model()
+    net, optimizer = float16_model()
     manager = nn.DynamicLossScaleUpdateCell(loss_scale_value=START_SCALE, scale_factor=FACTOR, scale_window=WINDOW)
     scale = Parameter(Tensor(START_SCALE, ms.float32), name="loss_scale")
     loss_fn = _mse(net)

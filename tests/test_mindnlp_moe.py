@@ -1,6 +1,7 @@
 """Tokens per expert on real HuggingFace MoE models run by mindnlp, random weights, through the plain loop:
 Qwen2-MoE (a Linear gate; the MoE block takes the top-k of its softmax), DeepSeek-V3 (its router returns
-the chosen expert ids itself, after sigmoid + correction bias + group-limited selection) and Switch
+the chosen expert ids itself, after sigmoid + correction bias + group-limited selection), GPT-OSS (its
+router returns (scores, indices)) and Switch
 Transformers (a top-1 router whose capacity limit drops tokens). Every count is
 compared with the router's own choice, captured by a second forward hook on the same gate that computes
 nothing of mindmon's (numpy over the gate's own output).
@@ -68,9 +69,9 @@ def deepseek_v3(transformers):
     return model, 8, 2
 
 
-def capture_choices(model, choose):
+def capture_choices(model, choose, gate="mlp.gate"):
     """Per gate call, in order: (layer id, numpy count per expert of what `choose(output)` says the router
-    chose). A hook of the test's own, on the same gates."""
+    chose). A hook of the test's own, on the same gates (the cells whose name ends with `gate`)."""
     calls = []
 
     def hook(layer):
@@ -80,7 +81,7 @@ def capture_choices(model, choose):
         return on_forward
 
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
+        if name.endswith(gate):
             module.register_forward_hook(hook(int(re.search(r"layers\.(\d+)", name).group(1))))
     return calls
 
@@ -146,6 +147,31 @@ def test_deepseek_v3_router_that_returns_its_indices(mindnlp_transformers, tmp_p
     calls = capture_choices(model, lambda output: output[0].asnumpy())   # (topk_indices, topk_weights)
     got = train(model, tmp_path, caplog)
     assert got == expected(calls, 2)
+    assert not [r for r in caplog.records if "probe" in r.getMessage()]
+
+
+def gpt_oss(transformers):
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        sliding_window=4, attn_implementation="eager")
+    return transformers.GptOssForCausalLM(config), 4, 2
+
+
+def test_gpt_oss_router_whose_second_output_holds_the_indices(mindnlp_transformers, tmp_path, caplog):
+    """GPT-OSS's GptOssTopKRouter returns (router_scores, router_indices); the experts take the indices."""
+    from mindmon.probes import attach_tokens_per_expert_probes
+
+    model, experts, topk = gpt_oss(mindnlp_transformers)
+    NUM[0] = experts
+    attach_tokens_per_expert_probes(model, r"mlp\.router$", num_experts=experts, topk=topk, output_index=1,
+                                    selection="indices")
+    calls = capture_choices(model, lambda output: output[1].asnumpy(), gate="mlp.router")
+    got = train(model, tmp_path, caplog)
+    want = expected(calls, 2)
+    assert got == want
+    assert all(sum(v) == BATCH // K * SEQ * topk for v in got.values())
+    assert len({tuple(v) for v in got.values()}) > 1   # random weights: the choice differs between calls
     assert not [r for r in caplog.records if "probe" in r.getMessage()]
 
 

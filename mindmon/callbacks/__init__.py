@@ -1,4 +1,5 @@
-"""Training callbacks with the MindFormers TrainerCallback events.
+"""Training callbacks with the MindFormers TrainerCallback events, and `ModelMonitorCallback` for
+`mindspore.train.Model` (loaded on first use: importing this package does not import MindSpore).
 
 They live in `mindmon.callbacks`, not in a top-level `callbacks` package, because many training
 repositories have a `callbacks.py` of their own next to the launch script, which would shadow it.
@@ -7,4 +8,12 @@ from mindmon.features.max_logits.callback import MaxLogitsMonitor
 from mindmon.features.profiler.callback import ProfilerCallback
 from mindmon.trainer_callbacks import MonitorCallback, TrainerCallback
 
-__all__ = ["MaxLogitsMonitor", "MonitorCallback", "ProfilerCallback", "TrainerCallback"]
+__all__ = ["MaxLogitsMonitor", "ModelMonitorCallback", "MonitorCallback", "ProfilerCallback", "TrainerCallback"]
+
+
+def __getattr__(name):
+    if name == "ModelMonitorCallback":
+        from mindmon.model_callback import ModelMonitorCallback
+
+        return ModelMonitorCallback
+    raise AttributeError(f"module 'mindmon.callbacks' has no attribute {name!r}")

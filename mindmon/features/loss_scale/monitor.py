@@ -10,7 +10,10 @@ The loop hands them in once per step, after the scaler's adjustment and the (pos
     group.record("loss_scale", scaler, {"overflow": not finite})           # skipped defaults to overflow
     group.record("loss_scale", None, {"overflow": True, "skipped": True})  # no scaler: no scale written
 
-`AccumulatingTrainStep` records it itself at every step.
+    loss, overflow, _ = train_cell(x, y)                                   # a TrainOneStepWithLossScaleCell
+    group.record("loss_scale", train_cell, {"overflow": overflow})
+
+`AccumulatingTrainStep` records it itself at every step; so does `ModelMonitorCallback` under Model.train.
 """
 from typing import List, Optional
 

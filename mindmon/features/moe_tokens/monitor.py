@@ -148,6 +148,7 @@ class MoETokensMonitor(Monitor):
         self._snapshots: List = []
         self._all_ranks: Optional[List[np.ndarray]] = None
         self._dropped_at_begin: Optional[List[float]] = None
+        self._dropped_all_ranks: Optional[np.ndarray] = None
 
     def _dropped(self) -> List[float]:
         """The cumulative `tokens_dropped` of the layers whose router has a capacity limit (a probe's
@@ -156,7 +157,18 @@ class MoETokensMonitor(Monitor):
         return [np.nan if c is None else float(c.asnumpy()) for c in counts]
 
     def cross_rank_shapes(self) -> List[tuple]:
-        return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] if self.cross_rank else []
+        """Each layer's tokens per expert, then (with a capacity-limited router) one value per layer: its
+        dropped slots, summed over data parallel as the tokens are."""
+        if not self.cross_rank:
+            return []
+        drops = [(len(self.cells),)] if self._has_drops else []
+        return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] + drops
+
+    def _step_dropped(self) -> np.ndarray:
+        """This rank's dropped slots of the step so far per layer (0 for a layer without a capacity limit)."""
+        if self._dropped_at_begin is None:
+            return np.zeros(len(self.cells), np.float32)
+        return np.nan_to_num(np.array(self._dropped()) - np.array(self._dropped_at_begin)).astype(np.float32)
 
     def cross_rank_sums(self) -> List:
         """This rank's step totals per layer, to be summed over the ranks with the gradients."""
@@ -165,11 +177,12 @@ class MoETokensMonitor(Monitor):
         step_tokens = self.step_tokens() if self.cross_rank else None
         if step_tokens is None:
             return None
+        drops = [Tensor(self._step_dropped())] if self._has_drops else []
         if isinstance(step_tokens, np.ndarray):
-            return [Tensor(layer.astype(np.float32)) for layer in step_tokens]
+            return [Tensor(layer.astype(np.float32)) for layer in step_tokens] + drops
         from mindspore import ops
 
-        return list(ops.unstack(step_tokens))  # stays on the device until the all-reduce
+        return list(ops.unstack(step_tokens)) + drops  # stays on the device until the all-reduce
 
     def step_tokens(self):
         """This rank's tokens per expert of the step so far, (layers, experts), numpy or still on the
@@ -179,7 +192,10 @@ class MoETokensMonitor(Monitor):
         return self._snapshots[-1] - self._snapshots[0]
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        self._all_ranks = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
+        sums = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
+        if self._has_drops:
+            sums, self._dropped_all_ranks = sums[:-1], sums[-1]
+        self._all_ranks = sums
 
     def record(self, key: str, value=None, context=None) -> None:
         if key == STEP_BEGIN:
@@ -225,8 +241,11 @@ class MoETokensMonitor(Monitor):
         if self._dropped_at_begin is None:
             return []
         now = self._dropped()
-        return [Record(step, None, self.rank, MOE_DROPPED_TOKENS, layer.name, float(round(after - before)))
-                for layer, before, after in zip(self.layers, self._dropped_at_begin, now) if not np.isnan(after)]
+        summed = self._dropped_all_ranks   # over data parallel, when the step's all-reduce carried them
+        steps = [after - before if summed is None else summed[i]
+                 for i, (before, after) in enumerate(zip(self._dropped_at_begin, now))]
+        return [Record(step, None, self.rank, MOE_DROPPED_TOKENS, layer.name, float(round(value)))
+                for layer, value, after in zip(self.layers, steps, now) if not np.isnan(after)]
 
     def _every_expert(self, per_micro_step: np.ndarray) -> np.ndarray:
         """(K, layers, local experts) -> (K, layers, every expert): one gather over the expert-parallel
