@@ -93,7 +93,8 @@ def scalar_tag(name_of_tag: str, statistic: str) -> str:
 
 
 def read_tag(tag: str) -> Optional[MsprobeTag]:
-    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling."""
+    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling of a
+    cell's or parameter's tensor (the collectives' tags, which name no chunk, are not read back)."""
     match = _TAG.match(tag)
     if match is None:
         return None
