@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import re
+import socket
 
 import pytest
 
@@ -58,7 +59,12 @@ def kj600_run(tmp_path, config, optimizer=False):
 
     monitor = train(make, STEPS, optimizer_to_monitor=False, wrap_optimizer=optimizer)
     monitor.close()
-    (events,) = glob.glob(str(tmp_path / "kj600" / "*-rank0-*" / "rank_0"))
+    (events,) = glob.glob(str(tmp_path / "kj600" / "*-rank0-*"))
+    # kj600's run folder holds the event file itself (no rank_<r> folder inside), named as PyTorch's writer
+    # names its files: events.out.tfevents.<time>.<host>.<pid>.<n>
+    (event_file,) = [n for n in os.listdir(events) if n.startswith("events.out.tfevents.")]
+    assert re.fullmatch(rf"events\.out\.tfevents\.\d+\.{re.escape(socket.gethostname())}\.{os.getpid()}\.\d+", event_file)
+    assert not glob.glob(os.path.join(events, "rank_*"))
     return scalars(events)
 
 

@@ -1,8 +1,10 @@
 """cc_distribution through kj600's hook_modules, on two real msrun workers on CPU (mccl): AllReduce wrapped
 while training and restored after close; the statistics of what each rank's AllReduce took and gave, read
-back from kj600's TensorBoard with TensorBoard's reader, against numpy on the gradients the ranks sent;
+back from kj600's TensorBoard (each rank's own run folder, msprobe's tags) with TensorBoard's reader, against
+numpy on the gradients the ranks sent;
 cc_log_only without an optimizer logging the calls and stopping cleanly at the second step."""
 import glob
+import json
 import re
 
 import numpy as np
@@ -40,24 +42,44 @@ def test_allreduce_statistics_of_each_rank_against_numpy(run):
     sent = [np.load(base / f"sent_rank{r}.npz") for r in range(RANKS)]
     for rank in range(RANKS):
         assert "patched in training: True; after close: False" in logs[rank]
-        (events,) = glob.glob(str(base / "stats" / f"*-rank{rank}-*" / f"rank_{rank}"))
+        (events,) = glob.glob(str(base / "stats" / f"*-rank{rank}-*"))   # the rank's run folder holds its events
         tags = scalars(events)
-        # cc_pre / cc_post per call of the step (0: the weight's gradient, 1: the bias's) and statistic
-        pattern = r"(cc_pre|cc_post)/AllReduce\.kj600_cc_worker\.py\[\d+\]\.([01])\.(input|output)/(\w+)"
+        # msprobe's spelling: <function>/rank<r>/<pre|post>_<call>_<tensor>_<op>, the function's calls counted
+        # within the step wherever they are made (0: the weight's gradient, 1: the bias's, 2: the loss, from
+        # another line), one tensor per call
         seen = set()
         for tag, points in tags.items():
-            kind, call, role, op = re.fullmatch(pattern, tag).groups()
-            assert role == ("input" if kind == "cc_pre" else "output")
+            match = re.fullmatch(r"AllReduce/rank(\d)/(pre|post)_([012])_0_(\w+)", tag)
+            assert match, tag
+            found_rank, prefix, call, op = match.groups()
+            assert int(found_rank) == rank
             assert sorted(points) == list(range(STEPS))
             for step, value in points.items():
-                mine = sent[rank][f"{step}_grad{call}"]
-                array = mine if kind == "cc_pre" else sent[0][f"{step}_grad{call}"] + sent[1][f"{step}_grad{call}"]
+                key = f"{step}_loss" if call == "2" else f"{step}_grad{call}"
+                array = sent[rank][key] if prefix == "pre" else sent[0][key] + sent[1][key]
                 want = numpy_stats(array)[op]
                 assert value == pytest.approx(want, rel=1e-5, abs=1e-7), (rank, tag, step)
-            seen.add((kind, call, op))
-        assert seen == {(k, c, op) for k in ("cc_pre", "cc_post") for c in "01" for op in OPS}
+            seen.add((prefix, call, op))
+        assert seen == {(p, c, op) for p in ("pre", "post") for c in "012" for op in OPS}
     # the ranks' inputs differ, so pre and post tell a rank's own gradient from the reduced one
     assert not np.allclose(sent[0]["0_grad0"], sent[1]["0_grad0"])
+
+
+def test_anomaly_dump_names_the_calls_in_msprobes_spelling(run):
+    """A rule firing on every output norm: the dump's tag_name is msprobe's, its step 0-based, its value numpy's."""
+    base, _ = run
+    sent = [np.load(base / f"sent_rank{r}.npz") for r in range(RANKS)]
+    for rank in range(RANKS):
+        with open(base / "stats" / "anomaly_detected" / f"rank{rank}" / "anomaly.json") as handle:
+            entries = list(json.load(handle).values())
+        got = {(e["tag_name"], e["step"]): e["value"] for e in entries}
+        keys = {0: "grad0", 1: "grad1", 2: "loss"}
+        expected = {(f"AllReduce/rank{rank}/post_{call}_0", step):
+                    numpy_stats(sent[0][f"{step}_{key}"] + sent[1][f"{step}_{key}"])["norm"]
+                    for call, key in keys.items() for step in range(STEPS)}
+        assert set(got) == set(expected), got
+        for key, value in got.items():
+            assert value == pytest.approx(expected[key], rel=1e-5), key
 
 
 def test_cc_log_only_without_an_optimizer_stops_at_the_second_step(run):

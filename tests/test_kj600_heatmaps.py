@@ -31,7 +31,7 @@ def test_kj600_heat_maps_in_tensorboard(tmp_path, monkeypatch):
     monitor.hook_modules(model, K)
     train_steps(model, optimizer)
     monitor.close()
-    (events,) = glob.glob(str(tmp_path / "kj600" / "*-rank0-*" / "rank_0"))
+    (events,) = glob.glob(str(tmp_path / "kj600" / "*-rank0-*"))
     accumulator = EventAccumulator(events, size_guidance={"images": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
@@ -88,7 +88,7 @@ def kj600_scalars(tmp_path, monkeypatch, config, order):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    (events,) = glob.glob(str(tmp_path / order / "*-rank0-*" / "rank_0"))
+    (events,) = glob.glob(str(tmp_path / order / "*-rank0-*"))
     accumulator = EventAccumulator(events)
     accumulator.Reload()
     return {tag: {e.step: e.value for e in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}, lines

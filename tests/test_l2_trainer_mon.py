@@ -1,6 +1,8 @@
 """L2 features through msprobe's TrainerMon: a tiny attention model, K = 2 micro-batches, 2 steps; the
 attention_hook and linear_hook CSV rows against float64 numpy computed from the inputs and the weights
-the step used; ConfigErrors for bad L2 keys; nothing attached when recording_l2_features is off."""
+the step used; the same through kj600's hook_modules into its TensorBoard, in msprobe's tag spelling, read
+back with TensorBoard's reader; ConfigErrors for bad L2 keys; nothing attached when recording_l2_features
+is off."""
 import glob
 import json
 import os
@@ -13,7 +15,9 @@ from mindspore import mint, nn, value_and_grad
 
 from mindmon.config import ConfigError
 from mindmon.formats.msprobe_csv import read_csv
+from mindmon.kj600.module_hook import TrainerMon as Kj600TrainerMon
 from mindmon.msprobe import TrainerMon
+from mindmon.sinks.tensorboard import msprobe_tensorboard_sink
 from test_l2_features import reference_attention
 
 K, STEPS, BATCH, SEQ, HEADS, DIM = 2, 2, 2, 5, 2, 4
@@ -50,14 +54,22 @@ def write_config(tmp_path, **keys):
     return str(path)
 
 
-def train(config_path, steps=STEPS):
-    """Returns {step: (weights at the step's start, [x of each micro-batch])}."""
+def train(config_path, steps=STEPS, door="msprobe", tensorboard_dir=None):
+    """Returns {step: (weights at the step's start, [x of each micro-batch])}. `door` "kj600": kj600's
+    TrainerMon and its README's recipe (hook_modules, then set_wrapped_optimizer) in place of msprobe's
+    set_monitor; with `tensorboard_dir`, msprobe's TrainerMon also writes msprobe's TensorBoard there."""
     ms.set_seed(0)
     model = Net()
     model.set_train(True)
     optimizer = nn.SGD(model.trainable_params(), learning_rate=0.5)
-    monitor = TrainerMon(config_path, params_have_main_grad=False)
-    monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
+    if door == "kj600":
+        monitor = Kj600TrainerMon(config_path, params_have_main_grad=False)
+        monitor.hook_modules(model, K)
+        Kj600TrainerMon.set_wrapped_optimizer(optimizer)
+    else:
+        sinks = [msprobe_tensorboard_sink(tensorboard_dir)] if tensorboard_dir else []
+        monitor = TrainerMon(config_path, params_have_main_grad=False, extra_sinks=sinks)
+        monitor.set_monitor(model, grad_acc_steps=K, optimizer=optimizer)
     grad_fn = value_and_grad(lambda x: (model(x) ** 2).mean() / K, None, optimizer.parameters)
     rng = np.random.default_rng(7)
     seen = {}
@@ -102,6 +114,48 @@ def test_attention_and_linear_rows_against_numpy(tmp_path, monkeypatch):
     assert linear[0].value != [r for r in linear if r.name == linear[0].name and r.step == 2][0].value
 
 
+def numpy_features(seen):
+    """{(tag name, step): {statistic: float64 numpy value}} in msprobe's spelling, from the inputs and weights."""
+    expected = {}
+    for step, (weights, xs) in seen.items():
+        for micro, x in enumerate(xs):
+            q = (x.astype(np.float64) @ weights["wq.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
+            k = (x.astype(np.float64) @ weights["wk.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
+            entropy, softmax_max = reference_attention(q, k, causal=True)
+            expected[(f"0:core.attention:{micro}/rank0/qkt", step)] = {"entropy": entropy, "softmax_max": softmax_max}
+        for cell in ("wq", "wk", "out"):
+            w = weights[f"{cell}.weight"]
+            frobenius = np.linalg.norm(w)
+            expected[(f"0:{cell}.linear/rank0/sr", step)] = {
+                "sr": frobenius / np.linalg.svd(w, compute_uv=False)[0], "kernel_norm": frobenius}
+    return expected
+
+
+@pytest.mark.parametrize("door", ["kj600", "msprobe"])
+def test_tensorboard_in_msprobes_spelling(tmp_path, monkeypatch, door):
+    """kj600's TensorBoard (its run folder itself), and msprobe's TrainerMon given msprobe's TensorBoard sink:
+    `0:<cell>.attention:<micro>/rank0/qkt_<entropy|softmax_max>` per micro-batch and
+    `0:<cell>.linear/rank0/sr_<sr|kernel_norm>` per step, against the 0-based step, every value numpy's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("KJ600_OUTPUT_DIR", str(tmp_path / "kj600"))
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    config = write_config(tmp_path, l2_targets={"attention_hook": ["0:core"], "linear_hook": []},
+                          recording_l2_features=True, sa_order="b,s,h,d")
+    _, seen = train(config, door=door, tensorboard_dir=str(tmp_path / "tb"))
+    pattern = tmp_path / "kj600" / "*-rank0-*" if door == "kj600" else tmp_path / "tb" / "rank_0"
+    (folder,) = glob.glob(str(pattern))
+    accumulator = EventAccumulator(folder, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    tags = {tag: {e.step: e.value for e in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}
+    expected = numpy_features(seen)
+    assert set(tags) == {f"{name}_{op}" for name, _ in expected for op in expected[(name, 0)]}
+    for (name, step), values in expected.items():
+        for op, want in values.items():
+            assert tags[f"{name}_{op}"][step] == pytest.approx(want, rel=1e-4), (name, op, step)
+    assert all(sorted(points) == list(range(STEPS)) for points in tags.values())
+
+
 def test_off_attaches_nothing_and_bad_keys_are_config_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
     # recording_l2_features false: no hook, no file.
@@ -141,8 +195,11 @@ def test_alert_rule_on_softmax_max(tmp_path, monkeypatch):
                        sa_order="b,s,h,d", alert={"rules": [rule], "dump": True}))
     (dump,) = glob.glob(str(tmp_path / "out" / "anomaly_detected" / "rank0" / "anomaly.json"))
     with open(dump) as handle:
-        fired = {(e["step"], e["micro_step"]): e["value"] for e in json.load(handle).values()}
+        entries = list(json.load(handle).values())
+    fired = {(e["step"], e["micro_step"]): e["value"] for e in entries}
     assert set(fired) == {key for key, value in expected.items() if value > threshold}, (fired, expected)
+    # msprobe's tag name for the tensor the feature is computed from, as in TensorBoard
+    assert {e["tag_name"] for e in entries} == {f"0:core.attention:{micro}/rank0/qkt" for _, micro in fired}
     assert all(value == pytest.approx(expected[key], rel=1e-5) for key, value in fired.items())
 
 

@@ -55,6 +55,18 @@ def test_tag_names_both_ways():
     assert tag_name("actv", "fc1.input_0", 0, 0) == "0:fc1.input_0:0/rank0/actv"
     assert tag_name("adam_update_histogram", "fc2.bias", None, 0) == "0:fc2.bias/rank0/adam_update"
     assert tag_name("loss", "loss", None, 0) is None
+    assert tag_name("grad_reduced", "1:layers.0.weight", None, 2) == "1:layers.0.weight/rank2/post_grad"   # chunk 1
+    # L2 features: the tensor they are computed from (msprobe's qkt, sr)
+    assert tag_name("attention_hook", "core.attention", 1, 0) == "0:core.attention:1/rank0/qkt"
+    assert tag_name("linear_hook", "wq.linear", None, 3) == "0:wq.linear/rank3/sr"
+    assert read_tag("0:core.attention:1/rank0/qkt_softmax_max") == \
+        MsprobeTag(0, "core.attention", 1, 0, "qkt", "softmax_max")
+    assert read_tag("0:wq.linear/rank3/sr_kernel_norm").kind == "linear_hook"
+    # collectives: <function>/rank<r>/<pre|post>_<call>_<tensor>
+    assert tag_name("cc_pre", "AllReduce.train.py[28].3.input", None, 1) == "AllReduce/rank1/pre_3_0"
+    assert tag_name("cc_post", "comm_func.all_reduce.my.train.py[9].0.output_1", None, 0) == \
+        "all_reduce/rank0/post_0_1"
+    assert tag_name("cc_post", "not a row", None, 0) is None
     assert read_tag("0:fc1.output:1/rank0/actv_grad_norm") == MsprobeTag(0, "fc1.output", 1, 0, "actv_grad", "norm")
     assert read_tag("0:fc1.weight/rank2/exp_avg_sq_min") == MsprobeTag(0, "fc1.weight", None, 2, "exp_avg_sq", "min")
     assert read_tag("0:fc1.weight/rank2/exp_avg_min").kind == "exp_avg"

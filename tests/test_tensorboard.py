@@ -119,6 +119,30 @@ def test_log_interval_and_queue(tmp_path):
     assert scalars(tmp_path / "rank_3") == {"grad-norm": {2: 1.0, 4: 2.0}}   # no batch size: no vs-samples tag
 
 
+def test_two_sinks_in_one_folder_keep_their_own_files(tmp_path):
+    """Two writers opened in one folder within the same second (two TrainerMons of one process, or ranks
+    given one folder): each has its own file, `events.out.tfevents.<time>.<host>.<pid>.<n>`; neither is cut."""
+    import os
+    import re
+    import socket
+
+    from mindmon.engine import RunInfo
+    from mindmon.records import Record
+    from mindmon.sinks.tensorboard import TensorBoardSink
+
+    sinks = [TensorBoardSink(str(tmp_path), per_rank=False) for _ in range(2)]
+    for rank, sink in enumerate(sinks):
+        sink.open(RunInfo(rank=rank))
+    for rank, sink in enumerate(sinks):
+        sink.write([Record(1, None, rank, "max_norm", f"rank{rank}", 1.5 + rank)])
+        sink.close()
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2
+    pattern = rf"events\.out\.tfevents\.\d+\.{re.escape(socket.gethostname())}\.{os.getpid()}\.\d+"
+    assert all(re.fullmatch(pattern, n) for n in names), names
+    assert scalars(tmp_path) == {"max_norm/rank0": {1: 1.5}, "max_norm/rank1": {1: 2.5}}   # both files whole
+
+
 @pytest.mark.parametrize("section,key,message", [
     ({"tensorboard_dir": 3}, "monitor.tensorboard.tensorboard_dir", "directory path"),
     ({"tensorboard_dir": "x", "tensorboard_log_interval": 0}, "monitor.tensorboard.tensorboard_log_interval",

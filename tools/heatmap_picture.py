@@ -59,10 +59,10 @@ def main(out: str, kind: str = "adam_update") -> None:
     with tempfile.TemporaryDirectory() as folder:
         os.environ["KJ600_OUTPUT_DIR"] = folder
         train(folder)
-        (events,) = glob.glob(os.path.join(folder, "*-rank0-*", "rank_0"))
+        (events,) = glob.glob(os.path.join(folder, "*-rank0-*"))   # kj600's run folder holds the events
         accumulator = EventAccumulator(events, size_guidance={"images": 0})
         accumulator.Reload()
-        image = accumulator.Images(f"{kind}_histogram/fc1.weight")[-1]
+        image = accumulator.Images(f"0:fc1.weight/rank0/{kind}")[-1]   # msprobe's spelling
         with open(out, "wb") as handle:
             handle.write(image.encoded_image_string)
         print(f"{out}: step {image.step}, {image.width} x {image.height}")

@@ -7,19 +7,33 @@ msprobe names every collected tensor by a tag name and writes each statistic as 
     <vpp_stage>:<module or parameter>[:<micro_step>]/rank<r>/<point>       e.g. 0:fc1.weight/rank0/post_grad
     0:fc1.weight/rank0/post_grad_norm                                        its `norm` in TensorBoard
 
-`vpp_stage` is 0 (as in the CSV files); the micro-step is part of the name for per-micro-step values
+`vpp_stage` is 0 for a single model, the chunk for a virtual pipeline's (mindmon.chunks: its names
+already begin with it, `1:fc1.weight`); the micro-step is part of the name for per-micro-step values
 (activations, `grad_unreduced` with `monitor_mbs_grad`). mindmon's points map to msprobe's as follows:
 
     param_origin -> param_origin      grad_unreduced -> acc_grad     exp_avg    -> exp_avg      actv      -> actv
     param_updated -> param_updated    grad_reduced   -> post_grad    exp_avg_sq -> exp_avg_sq   actv_grad -> actv_grad
     mg_direction -> mg_direction      adam_update(_histogram) -> adam_update    adam_ratio(_histogram) -> adam_ratio
 
+The L2 features are tensors of their own in msprobe, named after the cell with the feature's suffix, at
+the point of the tensor they are computed from (mindmon's rows are already `<cell>.attention` / `<cell>.linear`):
+
+    attention_hook -> qkt   0:core.attention:1/rank0/qkt_entropy, .../qkt_softmax_max (per micro-step)
+    linear_hook    -> sr    0:wq.linear/rank0/sr_sr, 0:wq.linear/rank0/sr_kernel_norm  (once per step)
+
+The collectives are named by the function (no chunk: a call belongs to no cell), the tensors of a call by
+their role, the function's call index within the step and the tensor's index within the call:
+
+    cc_pre  AllReduce.train.py[28].3.input      -> AllReduce/rank0/pre_3_0     (its norm: ..._norm)
+    cc_post comm_func.all_reduce.t.py[9].0.output_1 -> all_reduce/rank0/post_0_1
+
 A histogram's heat map image takes the bare tag name (`0:fc1.weight/rank0/adam_update`), as msprobe's
-heat maps do. Kinds without an msprobe point (the L2 features, collectives, losses) have no tag name here.
+heat maps do. Kinds msprobe has no name for (losses, mindmon's own monitors) have no tag name here.
 
 Example:
     tag_name("grad_reduced", "fc1.weight", None, 0)      # '0:fc1.weight/rank0/post_grad'
     scalar_tag(tag_name("actv", "fc1.output", 1, 0), "norm")   # '0:fc1.output:1/rank0/actv_norm'
+    tag_name("cc_post", "AllReduce.train.py[28].3.output", None, 1)   # 'AllReduce/rank1/post_3_0'
     read_tag("0:fc1.output:1/rank0/actv_norm")           # MsprobeTag(0, 'fc1.output', 1, 0, 'actv', 'norm')
 """
 import re
@@ -31,8 +45,13 @@ POINTS = {   # mindmon kind -> msprobe point
     "grad_reduced": "post_grad", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "actv": "actv",
     "actv_grad": "actv_grad", "mg_direction": "mg_direction", "adam_update": "adam_update",
     "adam_ratio": "adam_ratio", "adam_update_histogram": "adam_update", "adam_ratio_histogram": "adam_ratio",
+    "attention_hook": "qkt", "linear_hook": "sr",
 }
+CC_PREFIXES = {"cc_pre": "pre", "cc_post": "post"}   # mindmon's collective kinds -> msprobe's tensor prefix
 KINDS = {point: kind for kind, point in POINTS.items() if not kind.endswith("_histogram")}   # the way back
+# mindmon's collective row, mindmon/features/collectives/hooks.py: <function>.<file>[<line>].<call>.<role>[_<i>]
+_CC_ROW = re.compile(r"^(?:comm_func\.)?(?P<function>\w+)\..*\.(?P<call>\d+)\.(?:input|output)(?:_(?P<index>\d+))?$")
+_CHUNKED = re.compile(r"^\d+:")
 _TAG = re.compile(r"^(?P<vpp>\d+):(?P<name>.*?)(?::(?P<micro>\d+))?/rank(?P<rank>\d+)/(?P<rest>[^/]+)$")
 
 
@@ -52,11 +71,21 @@ class MsprobeTag(NamedTuple):
 
 def tag_name(kind: str, name: str, micro_step: Optional[int], rank: int) -> Optional[str]:
     """msprobe's tag name of a tensor at a point; None when the kind has no msprobe point."""
+    if kind in CC_PREFIXES:
+        return _collective_tag_name(kind, name, rank)
     point = POINTS.get(kind)
     if point is None:
         return None
     micro = "" if micro_step is None else f":{micro_step}"
-    return f"{VPP_STAGE}:{name}{micro}/rank{rank}/{point}"
+    chunk = "" if _CHUNKED.match(name) else f"{VPP_STAGE}:"   # a virtual pipeline's names carry their chunk
+    return f"{chunk}{name}{micro}/rank{rank}/{point}"
+
+
+def _collective_tag_name(kind: str, name: str, rank: int) -> Optional[str]:
+    match = _CC_ROW.match(name)
+    if match is None:
+        return None
+    return f"{match.group('function')}/rank{rank}/{CC_PREFIXES[kind]}_{match.group('call')}_{match.group('index') or 0}"
 
 
 def scalar_tag(name_of_tag: str, statistic: str) -> str:
@@ -64,7 +93,8 @@ def scalar_tag(name_of_tag: str, statistic: str) -> str:
 
 
 def read_tag(tag: str) -> Optional[MsprobeTag]:
-    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling."""
+    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling of a
+    cell's or parameter's tensor (the collectives' tags, which name no chunk, are not read back)."""
     match = _TAG.match(tag)
     if match is None:
         return None

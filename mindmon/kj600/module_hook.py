@@ -11,9 +11,11 @@ README does) a step ends at each optimizer call, as with msprobe; without one, a
 forward calls of the model (the step is written when the next one starts, and at `close()`), and
 `wg_distribution` hooks the model's parameters (`grad_unreduced` only: nothing reduces for an optimizer).
 
-Output: `$KJ600_OUTPUT_DIR/<MonDD_HH-MM-SS>-rank<r>-<id>/rank_<r>/events.out.tfevents.*`, in msprobe's
-tag spelling (mindmon/formats/msprobe_tags.py): `0:fc1.weight/rank0/post_grad_norm`,
-`0:fc1.output:1/rank0/actv_norm` (micro-step 1), every value against the 0-based step.
+Output: `$KJ600_OUTPUT_DIR/<MonDD_HH-MM-SS>-rank<r>-<id>/events.out.tfevents.*`, the run folder itself as
+kj600's and msprobe's writers use it (one folder per rank and run), in msprobe's tag spelling
+(mindmon/formats/msprobe_tags.py): `0:fc1.weight/rank0/post_grad_norm`, `0:fc1.output:1/rank0/actv_norm`
+(micro-step 1), `0:core.attention:0/rank0/qkt_entropy`, `AllReduce/rank0/post_0_0_norm`, every value
+against the 0-based step.
 """
 import dataclasses
 import logging
@@ -64,7 +66,8 @@ class TrainerMon(MsprobeTrainerMon):
                         "the optimizer itself", opt_ty)
         rank = DataParallel().rank
         stamp = datetime.now().strftime(RUN_FOLDER_TIME_FORMAT)
-        sink = msprobe_tensorboard_sink(os.path.join(output_dir(), f"{stamp}-rank{rank}-{uuid.uuid4().hex[:8]}"))
+        sink = msprobe_tensorboard_sink(os.path.join(output_dir(), f"{stamp}-rank{rank}-{uuid.uuid4().hex[:8]}"),
+                                        per_rank=False)
         super().__init__(config_file_path, process_group, params_have_main_grad,
                          config=load_kj600_config(config_file_path), sink=sink,
                          run_folder=lambda: sink.tensorboard_dir,

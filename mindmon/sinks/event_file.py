@@ -1,5 +1,5 @@
-"""A TensorBoard event file (`events.out.tfevents.<time>.<host>`, TFRecord framing of tensorboardX's Event
-protos), written by the caller's thread in whole steps.
+"""A TensorBoard event file (`events.out.tfevents.<time>.<host>.<pid>.<n>`, as PyTorch's writer names them;
+TFRecord framing of tensorboardX's Event protos), written by the caller's thread in whole steps.
 
 tensorboardX's SummaryWriter writes from a thread of its own: a write that fails there (a full disk)
 kills that thread with a traceback on stderr, leaves half an event in the file, fails again at exit,
@@ -13,6 +13,7 @@ Example:
     events.flush()            # step 1 is on disk
     events.close()
 """
+import itertools
 import os
 import socket
 import struct
@@ -20,6 +21,8 @@ import time
 from typing import List
 
 from mindmon.formats.step_file import StepFile
+
+_FILES = itertools.count()   # the process's files: two opened in one second in one folder stay two
 
 
 def _framed(event) -> bytes:
@@ -39,7 +42,8 @@ class EventFile:
         from tensorboardX.proto import event_pb2
 
         self._event = event_pb2.Event
-        self.path = os.path.join(log_dir, f"events.out.tfevents.{str(time.time())[:10]}.{socket.gethostname()}")
+        self.path = os.path.join(log_dir, f"events.out.tfevents.{str(time.time())[:10]}.{socket.gethostname()}"
+                                          f".{os.getpid()}.{next(_FILES)}")
         self.max_pending = max_pending
         self._pending: List[bytes] = []
         self._file = StepFile(self.path, fresh=True)

@@ -1,4 +1,5 @@
-"""TensorBoard event files, per rank: `<tensorboard_dir>/rank_<r>/events.out.tfevents.*`.
+"""TensorBoard event files, per rank: `<tensorboard_dir>/rank_<r>/events.out.tfevents.*` (or the folder
+itself when it is the rank's own already: kj600's run folder).
 
 Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate`, `loss-scale`,
 `max_attention_logit`), `<kind>` for the losses and the overflow flags (`overflow`, `update_skipped`,
@@ -73,8 +74,8 @@ def histogram_tag(record: Record) -> str:
 
 
 def msprobe_record_tags(record: Record) -> List[Tuple[str, float]]:
-    """msprobe's `<tag name>_<statistic>` for tensor statistics at its points; mindmon's tags for the rest
-    (the L2 features, collectives, losses, which msprobe's writer spells its own way or not at all)."""
+    """msprobe's `<tag name>_<statistic>` for tensor statistics msprobe names (its points, the L2 features,
+    the collectives); mindmon's tags for the rest (losses and mindmon's own monitors, which msprobe lacks)."""
     name = msprobe_tags.tag_name(record.kind, record.name, record.micro_step, record.rank) \
         if isinstance(record, TensorStatsRecord) else None
     if name is None:
@@ -130,8 +131,8 @@ class Axes:
 
 class TensorBoardSink(Sink):
     """Writes every record as TensorBoard scalars (tensorboardX's summaries), written at every step end
-    in one piece, to `<tensorboard_dir>/rank_<r>/` (a full disk leaves the file whole up to the last step:
-    mindmon.sinks.event_file).
+    in one piece, to `<tensorboard_dir>/rank_<r>/` (`per_rank=False`: to `tensorboard_dir` itself, a folder
+    of this rank's own); a full disk leaves the file whole up to the last step (mindmon.sinks.event_file).
 
     Example:
         sink = TensorBoardSink("./output/tensorboard")
@@ -141,8 +142,9 @@ class TensorBoardSink(Sink):
     """
 
     def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags,
-                 image_tag=histogram_tag, step_of: Optional[Callable[[Record], int]] = None):
+                 image_tag=histogram_tag, step_of: Optional[Callable[[Record], int]] = None, per_rank: bool = True):
         self.tensorboard_dir = tensorboard_dir
+        self.per_rank = per_rank
         self.tags = tags   # record -> [(tag, value)]; monitor_config gives MindFormers' tags (sinks/training_state.py)
         self.image_tag = image_tag   # histogram record -> the tag of its heat map image
         self.step_of = step_of       # record -> its x; given, it replaces the axes below and no _vs_samples copy
@@ -159,7 +161,7 @@ class TensorBoardSink(Sink):
         require("tensorboard", "tensorboardX")
         from mindmon.sinks.event_file import EventFile
 
-        self.log_dir = rank_dir(self.tensorboard_dir, run.rank)
+        self.log_dir = rank_dir(self.tensorboard_dir, run.rank) if self.per_rank else self.tensorboard_dir
         self.axes = Axes(run.global_batch_size, run.micro_steps_per_step)
         try:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -216,12 +218,14 @@ class TensorBoardSink(Sink):
             self._writer.close()
 
 
-def msprobe_tensorboard_sink(tensorboard_dir: str) -> TensorBoardSink:
+def msprobe_tensorboard_sink(tensorboard_dir: str, per_rank: bool = True) -> TensorBoardSink:
     """TensorBoard in msprobe's spelling (the msprobe and kj600 front doors'): tags
     `0:fc1.weight/rank0/post_grad_norm`, heat maps `0:fc1.weight/rank0/adam_update`, x = the 0-based step.
+    The events go to `<tensorboard_dir>/rank_<r>/`, or with `per_rank=False` into `tensorboard_dir` itself
+    (a folder named for one rank, as msprobe's and kj600's run folders are).
 
     Example:
-        TrainerMon.from_config(config, sinks=[msprobe_tensorboard_sink("./tb")])
+        TrainerMon.from_config(config, sinks=[msprobe_tensorboard_sink("./tb")])   # ./tb/rank_0/events...
     """
     return TensorBoardSink(tensorboard_dir, tags=msprobe_record_tags, image_tag=msprobe_histogram_tag,
-                           step_of=msprobe_step)
+                           step_of=msprobe_step, per_rank=per_rank)

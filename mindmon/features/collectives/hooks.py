@@ -10,7 +10,7 @@ attributes: code that imported a function by name before attaching keeps the ori
 - each distinct (function, stack) is logged once: the stack, the input dtypes and the communication group;
 - `cc_pre_hook`: the inputs' statistics before the call (kind `cc_pre`); always the outputs' after it
   (kind `cc_post`); rows named `<function>.<file>[<line>].<n>.input|output` (`_i` with several tensors),
-  n counting the calls of that function at that site within the step;
+  n counting the calls of that function within the step (at every site, as msprobe's call index);
 - `cc_log_only`: logging only, no statistics, and training is stopped (`CollectivesLogged`, exit status 0)
   before the second optimizer step.
 
@@ -49,7 +49,8 @@ class CollectivesLogged(SystemExit):
 
 class CollectiveStatsMonitor(TensorStatsMonitor):
     """The tensor statistics (config `ops`) of collective inputs and outputs; `next_call` numbers the calls
-    of one function at one site within a step."""
+    of one function within a step (wherever they are made: the number alone tells a call from the others of
+    the function, as in msprobe's tag `AllReduce/rank0/post_3_0`)."""
 
     KEYS = (CC_PRE, CC_POST)
 
@@ -61,9 +62,9 @@ class CollectiveStatsMonitor(TensorStatsMonitor):
         super().reset()
         self.calls = {}
 
-    def next_call(self, site: str) -> int:
-        self.calls[site] = self.calls.get(site, 0) + 1
-        return self.calls[site] - 1
+    def next_call(self, function: str) -> int:
+        self.calls[function] = self.calls.get(function, 0) + 1
+        return self.calls[function] - 1
 
 
 def _own_dirs() -> Tuple[str, ...]:
@@ -188,7 +189,7 @@ class CollectivePatch:
             if self.cc.log_only or self.monitor is None:
                 return None
             site = os.path.basename(stack[0]) if stack else "?"
-            prefix = f"{api}.{site}.{self.monitor.next_call(f'{api}.{site}')}"
+            prefix = f"{api}.{site}.{self.monitor.next_call(api)}"
             if self.cc.pre_hook:
                 self._record(CC_PRE, prefix, "input", tensors)
             return prefix
