@@ -114,8 +114,8 @@ class AnomalyDump:
             return
         if self.spare_size is None:
             self.spare_size, self.behind = self._make_spare(), []
-        size = append_entries(self.spare, self.spare_size, self.behind + self.pending)
-        self.spare_size, previous = None, self.size   # the spare is anomaly.json's next content now
+        start, self.spare_size = self.spare_size, None   # a failed append leaves no spare to trust
+        size, previous = append_entries(self.spare, start, self.behind + self.pending), self.size
         kept = self._keep_current()
         os.replace(self.spare, self.path)
         self.ours, self.size, self.behind, self.pending = True, size, self.pending, []
