@@ -1,12 +1,15 @@
 """msprobe's TrainerMon on a small MindSpore MLP writing every file sink at once, for the full-disk tests.
 
-    python every_sink_job.py OUTPUT_DIR STEPS [FSIZE_LIMIT_BYTES]
+    python every_sink_job.py OUTPUT_DIR STEPS [FSIZE_LIMIT_BYTES [PAUSE_AT [DEAD_DATABASE_URL]]]
 
 Sinks: msprobe's CSV (OUTPUT_DIR/csv/<run folder>/, one file per statistic point for the whole run),
 the JSONL and the Arrow stream / Parquet file (OUTPUT_DIR/monitor/rank_0/) and TensorBoard
 (OUTPUT_DIR/tensorboard/rank_0/). Prints `step <n>` after each step and `after train` once the
 monitor is closed. With FSIZE_LIMIT_BYTES no file may grow past that size (a write beyond it fails
-with EFBIG, as on a full disk).
+with EFBIG, as on a full disk; 0: no limit). With PAUSE_AT the job reads a line from standard input
+after printing `step <PAUSE_AT>` (the test changes the folder meanwhile). With DEAD_DATABASE_URL an
+alert sink dumps every non-zero value to anomaly.json and spools it for that unreachable database
+(OUTPUT_DIR/monitor/anomaly_detected/rank0/).
 """
 import json
 import logging
@@ -23,7 +26,15 @@ CONFIG = {"targets": {}, "param_distribution": True, "wg_distribution": True, "f
           "ops": ["min", "max", "norm", "mean"], "ndigits": 12, "step_count_per_record": 1000}
 
 
-def main(output_dir: str, steps: int, fsize_limit: int = 0) -> None:
+def alert_sink(monitor_dir: str, dead_url: str):
+    from mindmon.features.alerts import AlertConfig, AlertSink
+
+    return AlertSink(AlertConfig.parse("monitor.alert", {
+        "rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 0.0}}], "dump": True,
+        "inform": {"connection_str": dead_url, "queue_size": 1, "timeout": 1, "close_timeout": 0.5}}), monitor_dir)
+
+
+def main(output_dir: str, steps: int, fsize_limit: int = 0, pause_at: int = 0, dead_url: str = "") -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     os.environ["MONITOR_OUTPUT_DIR"] = os.path.join(output_dir, "csv")
     import mindspore as ms
@@ -41,6 +52,7 @@ def main(output_dir: str, steps: int, fsize_limit: int = 0) -> None:
         json.dump(CONFIG, file)
     monitor_dir = os.path.join(output_dir, "monitor")
     sinks = [JsonlSink(monitor_dir), ColumnarSink(monitor_dir), TensorBoardSink(os.path.join(output_dir, "tensorboard"))]
+    sinks += [alert_sink(monitor_dir, dead_url)] if dead_url else []
     model = make_model()
     optimizer = make_optimizer("AdamWeightDecay", model.trainable_params())
     monitor = TrainerMon(config_path, params_have_main_grad=False, extra_sinks=sinks)
@@ -59,9 +71,11 @@ def main(output_dir: str, steps: int, fsize_limit: int = 0) -> None:
             summed = grads if summed is None else tuple(a + b for a, b in zip(summed, grads))
         optimizer(summed)
         print(f"step {step}", flush=True)
+        if step == pause_at:
+            sys.stdin.readline()
     monitor.close()
     print("after train", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    main(sys.argv[1], int(sys.argv[2]), *[int(a) for a in sys.argv[3:5]], *sys.argv[5:6])

@@ -12,6 +12,12 @@ everything in it was delivered it is emptied. At the end (`finish`) it is rewrit
 hold exactly what was not delivered, memory included, next to `<recipient id>.json` naming the
 recipient (password masked): what `mindmon alerts resend` reads. A spool left by an earlier run
 into the same folder for the same recipient is delivered first.
+
+`<recipient id>.delivered` holds the byte offset of the first line not yet confirmed delivered,
+written (one 20-byte write, no fsync: a process kill, not a power cut) each time a batch taken from
+the spool was confirmed, so that the spool a killed process leaves, and `mindmon alerts resend`,
+start after what was confirmed: for e-mail, which has no idempotency key, the difference between
+sending a confirmed digest again and not.
 """
 import json
 import os
@@ -46,11 +52,27 @@ class Spool:
         whole = data[:data.rfind(b"\n") + 1]
         if len(whole) < len(data):
             os.truncate(self.path, len(whole))
-        self.size, self.unread = len(whole), whole.count(b"\n")
+        self.read_pos = confirmed_position(self.path, whole)
+        self.size, self.unread = len(whole), whole.count(b"\n", self.read_pos)
 
     @property
     def sidecar(self) -> str:
         return self.path[:-len(".jsonl")] + ".json"
+
+    @property
+    def position_file(self) -> str:
+        return delivered_position_file(self.path)
+
+    def _note_position(self) -> None:
+        if self.read_pos == 0:
+            if os.path.exists(self.position_file):
+                os.remove(self.position_file)
+            return
+        descriptor = os.open(self.position_file, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(descriptor, b"%019d\n" % self.read_pos, 0)
+        finally:
+            os.close(descriptor)
 
     def has_room(self, n: int) -> bool:
         return self.unread + n <= self.limit
@@ -90,6 +112,10 @@ class Spool:
         if self.unread == 0:
             os.truncate(self.path, 0)
             self.read_pos = self.size = 0
+        try:
+            self._note_position()
+        except OSError:   # not recorded: a killed process's spool may send these again (at least once)
+            pass
 
     def unread_lines(self) -> Iterator[bytes]:
         if self.unread == 0:
@@ -177,8 +203,11 @@ class DeliveryBuffer:
             return left, None
 
     def _rewrite_spool(self, left: int) -> None:
+        """The position goes before the new file replaces the old: killed in between, the old spool is
+        read from its start (sent again, never skipped)."""
         spool = self.spool
         if left == 0:
+            self._forget_position()
             for path in (spool.path, spool.sidecar):
                 if os.path.exists(path):
                     os.remove(path)
@@ -189,6 +218,7 @@ class DeliveryBuffer:
             with open(temporary, "wb") as f:
                 f.writelines(item.to_line().encode() for item in self.memory)
                 f.writelines(spool.unread_lines())
+            self._forget_position()
             os.replace(temporary, spool.path)
         finally:
             if os.path.exists(temporary):
@@ -196,10 +226,32 @@ class DeliveryBuffer:
         write_json_atomically(spool.sidecar, {"recipient": spool.recipient, "count": left})
 
 
+    def _forget_position(self) -> None:
+        if os.path.exists(self.spool.position_file):
+            os.remove(self.spool.position_file)
+
+
+def delivered_position_file(spool_path: str) -> str:
+    return spool_path[:-len(".jsonl")] + ".delivered"
+
+
+def confirmed_position(spool_path: str, whole: bytes) -> int:
+    """The offset after the lines confirmed delivered; 0 when none is recorded or the record does
+    not fit this file (a line start within it)."""
+    try:
+        with open(delivered_position_file(spool_path), "rb") as f:
+            position = int(f.read(20))
+    except (OSError, ValueError):
+        return 0
+    return position if 0 < position <= len(whole) and whole[position - 1:position] == b"\n" else 0
+
+
 def read_spool(path: str) -> Tuple[dict, List[KeyedAnomaly]]:
-    """(the recipient it was meant for, password masked; its anomalies in order)."""
+    """(the recipient it was meant for, password masked; its anomalies not yet confirmed delivered, in order)."""
     with open(path[:-len(".jsonl")] + ".json", encoding="utf-8") as f:
         recipient = json.load(f)["recipient"]
-    with open(path, encoding="utf-8") as f:
-        items = [KeyedAnomaly.from_line(line) for line in f if line.endswith("\n")]
-    return recipient, items
+    with open(path, "rb") as f:
+        whole = f.read()
+    whole = whole[:whole.rfind(b"\n") + 1]
+    lines = whole[confirmed_position(path, whole):].decode().splitlines(keepends=True)
+    return recipient, [KeyedAnomaly.from_line(line) for line in lines]

@@ -6,7 +6,7 @@ Example:
     sink = AlertSink(AlertConfig.parse("monitor.alert", section), "./output/monitor", rank=0)
     sink.open(RunInfo(rank=0))
     sink.write(records)    # records of one step, any kind
-    sink.flush()           # the dump, atomically
+    sink.flush()           # the dump: this step's anomalies appended, the file whole at every instant
     sink.close()           # waits for delivery (at most close_timeout) and logs what was delivered
 """
 import logging
@@ -157,6 +157,8 @@ class AlertSink(Sink):
         """Writes the dump, then waits (at most `close_timeout` each) for delivery and logs the counts."""
         try:
             self.flush()
+            if self.dump is not None and not self.dump.pending:
+                self.dump.finish()
         finally:
             self._start_delivery()
             for deliverer in self.deliverers:   # every recipient's close_timeout runs at the same time
