@@ -14,6 +14,7 @@ from mindspore import Tensor, nn
 from conftest import SMALL_MODEL, make_model, read_jsonl
 from mindmon import AccumulatingTrainStep, build_group, compat, parse_sections, split_batch
 from mindmon.demo.data import make_sequences
+from mindmon.formats.msprobe_csv import read_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats", "activations", "activations_idle",
@@ -48,6 +49,13 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     assert floor["repeats"] == 7 and floor["gradient_sum_ms"] > 0 and floor["one_read_ms"] > 0
     assert floor["floor_ms"] == pytest.approx(floor["gradient_sum_ms"] + floor["one_read_ms"])
     assert "tensor_stats' memory floor (numpy, fastest of 7): the gradient sum" in result.stdout
+    # activations' floor: one read of every tensor of the last collected step's actv and actv_grad rows
+    actv_floor = data["main"]["activation_floor"]
+    last_rows = [row for point in ("actv", "actv_grad") for row in
+                 read_csv(sorted(glob.glob(str(tmp_path / "monitor" / "activations" / "*-rank0-*" / f"{point}_3-3.csv")))[0])]
+    assert actv_floor["tensors"] == len(last_rows) > 0 and actv_floor["one_read_ms"] > 0
+    assert actv_floor["elements"] == sum(int(np.prod(row.shape)) for row in last_rows)
+    assert "activations' memory floor (numpy, fastest of 7): one read of the" in result.stdout
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
     # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for

@@ -471,3 +471,44 @@ def test_float32_sums_take_float32_values_as_they_are():
     assert repr(float(as_it_is(np.float32(0), np.float32(-0.0)))) == "-0.0"
     result = widened(0.0, np.float32(-0.0))
     assert repr(result) == "0.0" and isinstance(result, float)
+
+
+@pytest.mark.parametrize("form", ["reductions_at", "adds_at"])
+def test_a_large_table_split_between_two_threads_gives_the_numbers_of_one_call(monkeypatch, form):
+    """Above `TWO_THREADS_AT` elements the table's second part goes to the second thread; rows land where
+    the table says and the NaN tensors of both parts are handed back, as from one call."""
+    from mindmon.kernels.stats import SMALL
+
+    rng = np.random.default_rng(11)
+    arrays = [rng.standard_normal(size).astype(np.float32) for size in (5000, 300, 9000, 1, 7000, 4097)]
+    arrays[1][3] = np.nan   # first part
+    arrays[4][0] = np.inf   # second part
+    codes = np.arange(6, dtype=np.int64)
+    order = [3, 0, 5, 1, 2, 4]   # rows in another order than the table's
+
+    def call(split: bool):
+        monkeypatch.setattr(one_pass, "TWO_THREADS_AT", 1 if split else 1 << 40)
+        if form == "reductions_at":
+            table = np.array([v for a, row in zip(arrays, order) for v in (row, a.ctypes.data, a.size, 0)], np.int64)
+            return one_pass.reductions_at(table, 1e-8, SMALL, codes, 6), None
+        totals = [np.zeros(a.size, np.float32) for a in arrays]
+        table = np.array([v for a, t, row in zip(arrays, totals, order) for v in
+                          (t.ctypes.data, a.ctypes.data, a.size, 1, row if row != 5 else -1)], np.int64)
+        return one_pass.adds_at(table, 1e-8, SMALL, codes, 6), totals
+
+    used = []
+    monkeypatch.setattr(one_pass, "_helper", lambda: used.append(1) or (__import__("concurrent.futures").futures
+                                                                        .ThreadPoolExecutor(1)))
+    (rows, redo), totals = call(split=False)
+    assert used == []
+    (split_rows, split_redo), split_totals = call(split=True)
+    assert used == [1]
+    np.testing.assert_array_equal(split_rows, rows)
+    assert sorted(split_redo.tolist()) == sorted(redo.tolist()) and len(redo) == 2
+    if totals is not None:
+        for one, two, a in zip(totals, split_totals, arrays):
+            np.testing.assert_array_equal(two, a)
+            np.testing.assert_array_equal(one, a)
+    for array, row in zip(arrays, order):   # independent: numpy's statistics where the data is finite
+        if np.isfinite(array).all() and not (form == "adds_at" and row == 5):
+            assert rows[row].tolist() == numpy_stats(array, ALL[:6], 1e-8)

@@ -619,6 +619,31 @@ def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
     return {**best, "floor_ms": best["gradient_sum_ms"] + best["one_read_ms"], "repeats": repeats}
 
 
+def measure_activation_floor(out_dir: Path, repeats: int = 7) -> Optional[dict]:
+    """The least memory work `activations` needs per step: one read (BLAS's dot of an array with itself) of
+    every activation and activation gradient one collected step has rows for (their shapes from the last
+    step's `actv` and `actv_grad` CSV files), on fresh float32 arrays of those sizes, fastest of `repeats`."""
+    from mindmon.formats.msprobe_csv import read_csv
+
+    sizes = []
+    for point in ("actv", "actv_grad"):
+        files = sorted(Path(out_dir / "activations").glob(f"*-rank0-*/{point}_[0-9]*.csv"),
+                       key=lambda path: int(path.stem.rsplit("_", 1)[1].split("-")[0]))
+        if files:
+            sizes += [int(np.prod(record.shape)) for record in read_csv(str(files[-1]))]
+    if not sizes:
+        return None
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(n, dtype=np.float32) for n in sizes if n]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for array in arrays:
+            np.dot(array, array)
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return {"tensors": len(sizes), "elements": int(sum(sizes)), "one_read_ms": best, "repeats": repeats}
+
+
 def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     work = Workload(size)
     log(f"main run: {work.describe()}")
@@ -626,6 +651,7 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
     norms_in_add = measure_norms_in_add(configs[1])
     floor = measure_statistics_floor(work) if any(c.name == "tensor_stats" for c in configs) else None
+    activation_floor = measure_activation_floor(out_dir) if any(c.name == "activations" for c in configs) else None
     for config in configs:
         config.close()
     rows = summarize(samples)
@@ -633,7 +659,7 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     reference = next((r for r in rows if r["config"] == "host_sync_ref"), None)
     added = ours["added_ms_per_step"]
     result = {"size": work.describe(), "rows": rows, "off_median_step_s": off["median_step_s"],
-              "norms_in_add": norms_in_add, "statistics_floor": floor}
+              "norms_in_add": norms_in_add, "statistics_floor": floor, "activation_floor": activation_floor}
     if reference is None:
         return result
     # train_state's norms are taken in the buffer add (the reference's in its record calls): measured apart
@@ -755,7 +781,22 @@ def _floor_line(main: dict) -> List[str]:
             f"{floor['gradient_sum_ms']:.1f} ms + one read of the six points {floor['one_read_ms']:.1f} ms = "
             f"{floor['floor_ms']:.1f} ms = {floor['floor_ms'] / off_step_ms:.2%} of the off step "
             f"(tensor_stats in mindmon: {ours['in_mindmon_ms_per_step']:.1f} ms = "
-            f"{ours['in_mindmon_ms_per_step'] / off_step_ms:.2%})"]
+            f"{ours['in_mindmon_ms_per_step'] / off_step_ms:.2%}, "
+            f"{ours['in_mindmon_ms_per_step'] / floor['floor_ms']:.2f}x the floor)"]
+
+
+def _activation_floor_line(main: dict) -> List[str]:
+    floor = main.get("activation_floor")
+    ours = next((row for row in main["rows"] if row["config"] == "activations"), None)
+    if not floor or ours is None:
+        return []
+    off_step_ms = main["off_median_step_s"] * 1e3
+    return [f"activations' memory floor (numpy, fastest of {floor['repeats']}): one read of the "
+            f"{floor['tensors']} activations and activation gradients a step collects ({floor['elements']:,} "
+            f"elements) = {floor['one_read_ms']:.1f} ms = {floor['one_read_ms'] / off_step_ms:.2%} of the off step "
+            f"(activations in mindmon: {ours['in_mindmon_ms_per_step']:.1f} ms = "
+            f"{ours['in_mindmon_ms_per_step'] / off_step_ms:.2%}, {ours['in_mindmon_ms_per_step'] / floor['one_read_ms']:.2f}x "
+            f"the floor; wall {ours['ratio_to_off']:.4f}x off)"]
 
 
 def _reference_line(main: dict) -> List[str]:
@@ -782,6 +823,7 @@ def format_tables(result: dict) -> str:
     main = result["main"]
     lines += _norms_in_add_line(main)
     lines += _floor_line(main)
+    lines += _activation_floor_line(main)
     lines += _reference_line(main)
     if result["scaling"]:
         lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",
