@@ -88,5 +88,7 @@ def test_resend_after_a_killed_run_sends_only_what_was_not_confirmed(tmp_path, s
     assert set(everything.values()) == {1}
     found = expected(range(1, reported + 2))                   # the step in flight at the kill may be spooled
     assert set(everything) <= found
-    assert expected(range(2, reported + 1)) <= set(everything)   # all but step 1's first (held in memory, lost)
+    # Memory holds at most queue_size (1) anomaly, and only while the spool has nothing unread (each digest
+    # drains it): that one is lost with the process; everything else reported is in a mail or resent.
+    assert len(expected(range(1, reported + 1)) - set(everything)) <= 1
     assert "nothing to resend" in resend(tmp_path / "run", config_path)
