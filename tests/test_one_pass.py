@@ -488,6 +488,7 @@ def test_a_large_table_split_between_two_threads_gives_the_numbers_of_one_call(m
 
     def call(split: bool):
         monkeypatch.setattr(one_pass, "TWO_THREADS_AT", 1 if split else 1 << 40)
+        monkeypatch.setattr(one_pass, "TWO_THREADS_TENSORS", 2)
         if form == "reductions_at":
             table = np.array([v for a, row in zip(arrays, order) for v in (row, a.ctypes.data, a.size, 0)], np.int64)
             return one_pass.reductions_at(table, 1e-8, SMALL, codes, 6), None

@@ -771,32 +771,31 @@ def _norms_in_add_line(main: dict) -> List[str]:
             f"{apart['norms_ms']:.1f} ms; step+add+end = {total:.1f} ms = {total / off_step_ms:.2%} of the off step"]
 
 
-def _floor_line(main: dict) -> List[str]:
-    floor = main.get("statistics_floor")
-    ours = next((row for row in main["rows"] if row["config"] == "tensor_stats"), None)
-    if not floor or ours is None:
-        return []
-    off_step_ms = main["off_median_step_s"] * 1e3
-    return [f"tensor_stats' memory floor (numpy, fastest of {floor['repeats']}): the gradient sum "
-            f"{floor['gradient_sum_ms']:.1f} ms + one read of the six points {floor['one_read_ms']:.1f} ms = "
-            f"{floor['floor_ms']:.1f} ms = {floor['floor_ms'] / off_step_ms:.2%} of the off step "
-            f"(tensor_stats in mindmon: {ours['in_mindmon_ms_per_step']:.1f} ms = "
-            f"{ours['in_mindmon_ms_per_step'] / off_step_ms:.2%}, "
-            f"{ours['in_mindmon_ms_per_step'] / floor['floor_ms']:.2f}x the floor)"]
+# Each memory floor the benchmark measures: the key of its numbers, the configuration it is the floor of,
+# what it is made of, and its total.
+FLOORS = (
+    ("statistics_floor", "tensor_stats", "floor_ms",
+     lambda f: f"the gradient sum {f['gradient_sum_ms']:.1f} ms + one read of the six points {f['one_read_ms']:.1f} ms"),
+    ("activation_floor", "activations", "one_read_ms",
+     lambda f: f"one read of the {f['tensors']} activations and activation gradients a step collects "
+               f"({f['elements']:,} elements)"),
+)
 
 
-def _activation_floor_line(main: dict) -> List[str]:
-    floor = main.get("activation_floor")
-    ours = next((row for row in main["rows"] if row["config"] == "activations"), None)
-    if not floor or ours is None:
-        return []
-    off_step_ms = main["off_median_step_s"] * 1e3
-    return [f"activations' memory floor (numpy, fastest of {floor['repeats']}): one read of the "
-            f"{floor['tensors']} activations and activation gradients a step collects ({floor['elements']:,} "
-            f"elements) = {floor['one_read_ms']:.1f} ms = {floor['one_read_ms'] / off_step_ms:.2%} of the off step "
-            f"(activations in mindmon: {ours['in_mindmon_ms_per_step']:.1f} ms = "
-            f"{ours['in_mindmon_ms_per_step'] / off_step_ms:.2%}, {ours['in_mindmon_ms_per_step'] / floor['one_read_ms']:.2f}x "
-            f"the floor; wall {ours['ratio_to_off']:.4f}x off)"]
+def _floor_lines(main: dict) -> List[str]:
+    """Each floor against the time in mindmon of its configuration (and that configuration's wall ratio)."""
+    lines, off_step_ms = [], main["off_median_step_s"] * 1e3
+    for key, config, total, parts in FLOORS:
+        floor = main.get(key)
+        ours = next((row for row in main["rows"] if row["config"] == config), None)
+        if not floor or ours is None:
+            continue
+        in_mindmon = ours["in_mindmon_ms_per_step"]
+        lines.append(f"{config}' memory floor (numpy, fastest of {floor['repeats']}): {parts(floor)} = "
+                     f"{floor[total]:.1f} ms = {floor[total] / off_step_ms:.2%} of the off step ({config} in mindmon: "
+                     f"{in_mindmon:.1f} ms = {in_mindmon / off_step_ms:.2%}, {in_mindmon / floor[total]:.2f}x the "
+                     f"floor; wall {ours['ratio_to_off']:.4f}x off)")
+    return lines
 
 
 def _reference_line(main: dict) -> List[str]:
@@ -822,8 +821,7 @@ def format_tables(result: dict) -> str:
     lines += [_row_line(r) for r in result["main"]["rows"]]
     main = result["main"]
     lines += _norms_in_add_line(main)
-    lines += _floor_line(main)
-    lines += _activation_floor_line(main)
+    lines += _floor_lines(main)
     lines += _reference_line(main)
     if result["scaling"]:
         lines += ["", f"scaling (train_state vs off; hidden {result['scaling'][0]['size']['hidden_size']}):",

@@ -186,55 +186,72 @@ statistics_row = _jit(statistics_row_loop)
 _FLOAT32, _INT32, _UINT32 = (_pointer_to(item) for item in (types.float32, types.int32, types.uint32))
 
 
-def _float32_at(table, eps, small_size, codes, n_rows):
+def _statistics_at(address, size, eps, small_size, codes, row, scalar):
+    """The statistics `codes` name of `size` float32 values at `address` into `row` (summed in float64 up
+    to `small_size` values, in float32 blocks above); False, `row` untouched, when a sum is not finite.
+    Every statistic of memory at an address goes through this one compiled function, so a tensor gets the
+    same numbers whichever call took them."""
+    values = numba.carray(_FLOAT32(address), size)
+    signed, unsigned = numba.carray(_INT32(address), size), numba.carray(_UINT32(address), size)
+    if size <= small_size:
+        found = array_loop(values, signed, unsigned, eps, 0.0)
+    else:
+        found = array_loop(values, signed, unsigned, eps, np.float32(0))
+    return statistics_row(found, size, codes, row, scalar)
+
+
+def _python_statistics_at(address, size, eps, small_size, codes, row, scalar):
+    """`_statistics_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
+    values = _python_float32s(address, size)
+    zero = np.float64(0) if size <= small_size else np.float32(0)
+    return statistics_row_loop(one_pass_loop(values, values.view(np.int32), values.view(np.uint32), eps, zero),
+                               size, codes, row, scalar)
+
+
+statistics_at = _python_statistics_at if numba.config.DISABLE_JIT else _jit(_statistics_at)
+
+
+def float32_at_loop(table, eps, small_size, codes, n_rows):
+    """`one_pass.reductions_at`: the rows of a table of (row, address, size, scalar); the table positions of
+    the tensors holding NaN or inf."""
     eps = np.float32(eps)   # what |x| < eps compares: eps in the data's precision
     rows = np.full((n_rows, codes.size), np.nan)
     redo = np.empty(table.size // 4, np.int64)
     count = 0
     for k in range(table.size // 4):
         row, address, size, scalar = table[4 * k], table[4 * k + 1], table[4 * k + 2], table[4 * k + 3]
-        values = numba.carray(_FLOAT32(address), size)
-        signed, unsigned = numba.carray(_INT32(address), size), numba.carray(_UINT32(address), size)
-        if size <= small_size:   # summed in float64
-            found = array_loop(values, signed, unsigned, eps, 0.0)
-        else:                    # in float32 blocks
-            found = array_loop(values, signed, unsigned, eps, np.float32(0))
-        if not statistics_row(found, size, codes, rows[row], scalar != 0):
+        if not statistics_at(address, size, eps, small_size, codes, rows[row], scalar != 0):
             redo[count] = k
             count += 1
     return rows, redo[:count]
 
 
-def _python_float32_at(table, eps, small_size, codes, n_rows):
-    """`_float32_at` as plain Python (NUMBA_DISABLE_JIT=1, where intrinsics do not exist)."""
-    eps = np.float32(eps)
-    rows = np.full((n_rows, codes.size), np.nan)
-    redo = []
-    for k, (row, address, size, scalar) in enumerate(table.reshape(-1, 4).tolist()):
-        values = np.frombuffer((ctypes.c_char * (size * 4)).from_address(address), np.float32)
-        zero = np.float64(0) if size <= small_size else np.float32(0)
-        if not statistics_row_loop(one_pass_loop(values, values.view(np.int32), values.view(np.uint32), eps, zero),
-                               size, codes, rows[row], scalar != 0):
-            redo.append(k)
-    return rows, np.array(redo, np.int64)
-
-
-float32_at = _python_float32_at if numba.config.DISABLE_JIT else _jit(_float32_at)
+float32_at = _jit(float32_at_loop)
 
 
 _copy_or_add_loop = _jit(copy_or_add, fastmath=True)
 
 
-def _python_add_at(total, address, first):
-    """A gradient's add from its address as plain Python (NUMBA_DISABLE_JIT=1)."""
-    micro = np.frombuffer((ctypes.c_char * (total.size * 4)).from_address(address), np.float32)
-    copy_or_add(total, micro, first)
+def _add_at(target, source, size, first):
+    """`total += micro` (`first`: `total[:] = micro`), `size` float32 values at each of the two addresses."""
+    _copy_or_add_loop(numba.carray(_FLOAT32(target), size), numba.carray(_FLOAT32(source), size), first)
 
 
-def _adds_at(table, eps, small_size, codes, n_rows):
-    """Many `add_at`s in one call, from `table` int64 [5 * adds]: (sum's address, gradient's address, size,
-    first, row) after one another; a row >= 0 also takes the statistics of the sum just made into
-    `rows[row]`, reading it while it is still in cache. Returns rows and the rows whose sums hold NaN or inf."""
+def _python_add_at(target, source, size, first):
+    """`_add_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
+    copy_or_add(_python_float32s(target, size), _python_float32s(source, size), first)
+
+
+def _python_float32s(address, size):
+    return np.frombuffer((ctypes.c_char * (int(size) * 4)).from_address(int(address)), np.float32)
+
+
+add_at = _python_add_at if numba.config.DISABLE_JIT else _jit(_add_at)
+
+
+def adds_at_loop(table, eps, small_size, codes, n_rows):
+    """`one_pass.adds_at`: the adds of a table of (sum's address, gradient's address, size, first, row), a
+    row >= 0 taking the statistics of the sum just made (while it is in cache); the rows holding NaN or inf."""
     eps = np.float32(eps)
     rows = np.full((n_rows, codes.size), np.nan)
     redo = np.empty(table.size // 5, np.int64)
@@ -242,36 +259,11 @@ def _adds_at(table, eps, small_size, codes, n_rows):
     for k in range(table.size // 5):
         target, source, size, first, row = (table[5 * k], table[5 * k + 1], table[5 * k + 2], table[5 * k + 3],
                                             table[5 * k + 4])
-        total = numba.carray(_FLOAT32(target), size)
-        _copy_or_add_loop(total, numba.carray(_FLOAT32(source), size), first != 0)
-        if row < 0:
-            continue
-        signed, unsigned = numba.carray(_INT32(target), size), numba.carray(_UINT32(target), size)
-        if size <= small_size:
-            found = array_loop(total, signed, unsigned, eps, 0.0)
-        else:
-            found = array_loop(total, signed, unsigned, eps, np.float32(0))
-        if not statistics_row(found, size, codes, rows[row], False):
+        add_at(target, source, size, first != 0)
+        if row >= 0 and not statistics_at(target, size, eps, small_size, codes, rows[row], False):
             redo[count] = row
             count += 1
     return rows, redo[:count]
 
 
-def _python_adds_at(table, eps, small_size, codes, n_rows):
-    """`_adds_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
-    eps = np.float32(eps)
-    rows = np.full((n_rows, codes.size), np.nan)
-    redo = []
-    for target, source, size, first, row in table.reshape(-1, 5).tolist():
-        total = np.frombuffer((ctypes.c_char * (size * 4)).from_address(target), np.float32)
-        _python_add_at(total, source, first != 0)
-        if row < 0:
-            continue
-        zero = np.float64(0) if size <= small_size else np.float32(0)
-        if not statistics_row_loop(one_pass_loop(total, total.view(np.int32), total.view(np.uint32), eps, zero),
-                                   size, codes, rows[row]):
-            redo.append(row)
-    return rows, np.array(redo, np.int64)
-
-
-adds_at = _python_adds_at if numba.config.DISABLE_JIT else _jit(_adds_at)
+adds_at = _jit(adds_at_loop)

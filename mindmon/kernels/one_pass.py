@@ -133,6 +133,7 @@ def adds_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n
 # cores): over memory that is not in cache one core's loop reads at about 60% of what BLAS's dot reads
 # with its threads (docs/performance.md). Below it, handing half to the other thread costs more than it saves.
 TWO_THREADS_AT = 1 << 21
+TWO_THREADS_TENSORS = 8   # and of at least this many tensors
 _helper_thread = []
 
 
@@ -140,6 +141,8 @@ def in_two_threads(function, table: np.ndarray, width: int, arguments: tuple):
     """`function(table, *arguments)` (a compiled call that releases the GIL, over a table of `width` int64
     per tensor, the size third): `(rows, redo)` from one call, or, for a large table, the first part's
     `(rows, redo)`, the rest's, and how many tensors the first part holds, the two run at once."""
+    if table.size < TWO_THREADS_TENSORS * width:   # a hook's few tensors: not even their sizes are summed
+        return function(table, *arguments)
     sizes = table[2::width]
     total = int(sizes.sum())
     helper = _helper() if total >= TWO_THREADS_AT else None
