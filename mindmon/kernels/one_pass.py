@@ -54,13 +54,7 @@ def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndar
     `row` holds the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf; and the
     table positions of those, for the caller to take with NaN rules. Rows no tensor is given for are NaN.
     (Allocated in the compiled call: in a hook's context, each numpy call from Python costs microseconds.)"""
-    found = in_two_threads(_compiled().float32_at, table, 4, (float(eps), small_size, codes, n_rows))
-    if len(found) == 2:
-        return found
-    rows, redo, second_rows, second_redo, cut = found
-    second = table[4 * cut::4]
-    rows[second] = second_rows[second]
-    return rows, np.concatenate([redo, second_redo + cut])
+    return _compiled().float32_at(table, float(eps), small_size, codes, n_rows)   # a float: typed at once
 
 
 def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:
@@ -112,54 +106,11 @@ def add_and_squares(total: np.ndarray, micro: np.ndarray, first: bool) -> Tuple[
 
 def adds_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n_rows: int
             ) -> Tuple[np.ndarray, np.ndarray]:
-    """Many `add_at`s in one call: `table` is int64 [5 * adds], (sum's address, gradient's address, size,
+    """Many gradient adds in one call: `table` is int64 [5 * adds], (sum's address, gradient's address, size,
     first, row) after one another, float32 memory the caller keeps alive. Where `row` >= 0 the statistics
     `codes` name (as `reductions_at` takes them) of the sum just made go to `rows[row]`, read right after
     the add, while the sum is in cache. Returns `rows`, float64 [n_rows, codes] (NaN where no statistics
     were asked for), and the rows whose sums hold NaN or inf, left for the caller to take with NaN rules.
     One call for every gradient of a backward pass: a call per gradient from its hook cost several times
     its warm time (caches cold between MindSpore's kernels)."""
-    found = in_two_threads(_compiled().adds_at, table, 5, (float(eps), small_size, codes, n_rows))
-    if len(found) == 2:
-        return found
-    rows, redo, second_rows, second_redo, cut = found
-    second = table[5 * cut + 4::5]
-    second = second[second >= 0]
-    rows[second] = second_rows[second]
-    return rows, np.concatenate([redo, second_redo])
-
-
-# A table of at least this many elements is split between two threads (where this process may run on two
-# cores): over memory that is not in cache one core's loop reads at about 60% of what BLAS's dot reads
-# with its threads (docs/performance.md). Below it, handing half to the other thread costs more than it saves.
-TWO_THREADS_AT = 1 << 21
-TWO_THREADS_TENSORS = 8   # and of at least this many tensors
-_helper_thread = []
-
-
-def in_two_threads(function, table: np.ndarray, width: int, arguments: tuple):
-    """`function(table, *arguments)` (a compiled call that releases the GIL, over a table of `width` int64
-    per tensor, the size third): `(rows, redo)` from one call, or, for a large table, the first part's
-    `(rows, redo)`, the rest's, and how many tensors the first part holds, the two run at once."""
-    if table.size < TWO_THREADS_TENSORS * width:   # a hook's few tensors: not even their sizes are summed
-        return function(table, *arguments)
-    sizes = table[2::width]
-    total = int(sizes.sum())
-    helper = _helper() if total >= TWO_THREADS_AT else None
-    cut = int(np.searchsorted(np.cumsum(sizes), total // 2)) + 1 if helper is not None else sizes.size
-    if cut >= sizes.size:
-        return function(table, *arguments)
-    later = helper.submit(function, table[width * cut:], *arguments)
-    rows, redo = function(table[:width * cut], *arguments)
-    return (rows, redo, *later.result(), cut)
-
-
-def _helper():
-    """The second thread, started at the first large table; None where the process has one core."""
-    if not _helper_thread:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
-
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        _helper_thread.append(ThreadPoolExecutor(1, thread_name_prefix="mindmon-statistics") if cores > 1 else None)
-    return _helper_thread[0]
+    return _compiled().adds_at(table, float(eps), small_size, codes, n_rows)
