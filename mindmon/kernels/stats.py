@@ -217,7 +217,8 @@ def _add_and_square(view: np.ndarray, flat: np.ndarray, first: bool) -> Tuple[fl
     """`view += flat` (or `view[:] = flat` when `first`); returns (|view|^2 after, |flat|^2), small arrays
     summed in float64, large ones in one compiled pass (`one_pass.add_and_squares`)."""
     if view.size <= SMALL:
-        np.copyto(view, flat) if first else np.add(view, flat, out=view)
+        with np.errstate(invalid="ignore", over="ignore"):   # inf + -inf of an overflowed step: NaN, said by loss_scale
+            np.copyto(view, flat) if first else np.add(view, flat, out=view)
         return _squared_norm(view), (0.0 if first else _squared_norm(flat))
     return add_and_squares(view, flat, first)
 
