@@ -18,6 +18,8 @@ from mindmon import build_group
 from mindmon.features import parse_sections
 from test_loss_scale import FACTOR, START_SCALE, STEPS, WINDOW, float16_model
 
+pytestmark = pytest.mark.ms27   # MindSpore's own managers and cell: run on 2.7 and 2.10 too
+
 
 def _data():
     data = np.random.default_rng(0)
