@@ -105,9 +105,10 @@ def test_an_uncaught_exception_loses_its_rank_but_an_end_without_close_does_not(
     group.all_beating()
     group.tell(3, "exit")      # the program ends normally, never closing: its exit hook says goodbye
     group.tell(2, "raise")     # an uncaught exception: no goodbye, the others must hear of it
-    for rank in (2, 3):
+    group.tell(1, "close in finally")   # closed on the exception's way out: no goodbye either
+    for rank in (1, 2, 3):
         group.processes[rank].wait()
-    group.assert_named((0, 1), lost_line("rank 2", "its connection closed"))
+    group.assert_named((0,), lost_line("ranks [1, 2]", "their connections closed"))
 
 
 def test_ranks_that_close_in_any_order_name_nobody(peers):

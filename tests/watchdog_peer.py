@@ -3,7 +3,8 @@
     watchdog_peer.py RANK WORLD PORT SILENCE STEPS
 
 Writes steps 1..STEPS (one record each) to the watchdog, prints `at step STEPS`, then waits on stdin: a
-line `close` closes the watchdog, `exit` ends without closing it, `raise` ends on an uncaught exception.
+line `close` closes the watchdog, `exit` ends without closing it, `raise` ends on an uncaught exception,
+`close in finally` closes it while an exception propagates.
 """
 import logging
 import sys
@@ -26,6 +27,11 @@ def main(rank: int, world: int, port: int, silence: float, steps: int) -> None:
         print("closed", flush=True)
     elif command == "raise":
         raise RuntimeError("this rank failed")
+    elif command == "close in finally":
+        try:
+            raise RuntimeError("this rank failed")
+        finally:
+            watchdog.close()
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class PeerWatchdog(Sink):
         self.silence, self.interval, self.startup = silence, interval, startup
         self.step = 0
         self.verdict: Optional[str] = None   # the line logged, once
+        self.goodbye = True   # whether the end tells the others (False: they name this rank lost)
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -102,6 +103,9 @@ class PeerWatchdog(Sink):
             self.step = step
 
     def close(self) -> None:
+        """Called while an exception is on its way out (a `finally:` or `except:` around training), this
+        rank is leaving the others waiting: it ends without a goodbye, so they name it."""
+        self.goodbye = sys.exc_info()[1] is None
         self._stop()
         atexit.unregister(self._at_exit)
         super().close()
@@ -163,7 +167,7 @@ class _Server:
             self._loop(selector, listener)
         finally:
             for key in list(selector.get_map().values()):
-                if key.fileobj is not listener:
+                if key.fileobj is not listener and self.watchdog.goodbye:
                     _send(key.fileobj, b"bye\n")
                 key.fileobj.close()
             selector.close()
@@ -267,7 +271,8 @@ class _Client:
                 if not self._beat(connection, reader):
                     return
                 self.watchdog.stopping(self.watchdog.interval)
-            _send(connection, b"bye\n")
+            if self.watchdog.goodbye:
+                _send(connection, b"bye\n")
 
     def _connect(self) -> Optional[socket.socket]:
         deadline = time.monotonic() + self.watchdog.startup
