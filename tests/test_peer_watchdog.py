@@ -20,16 +20,17 @@ def lost_line(ranks, how):
 
 
 class Peers:
-    def __init__(self, tmp_path, silence=10.0):
+    def __init__(self, tmp_path, silence=10.0, host="127.0.0.1", machine_of=lambda rank: []):
+        """`machine_of(rank)`: the command prefix that runs the rank on its machine (a network namespace)."""
         self.port, self.tmp_path = free_port(), tmp_path
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
         self.processes = []
         for rank in range(WORLD):
             out = open(tmp_path / f"rank{rank}.log", "w")
             self.processes.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "watchdog_peer.py"), str(rank), str(WORLD), str(self.port),
-                 str(silence), str(STEPS)], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
-                text=True))
+                machine_of(rank) + [sys.executable, os.path.join(HERE, "watchdog_peer.py"), str(rank), str(WORLD),
+                                    host, str(self.port), str(silence), str(STEPS)],
+                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env, text=True))
 
     def log(self, rank):
         return (self.tmp_path / f"rank{rank}.log").read_text()
@@ -84,11 +85,14 @@ def test_killed_ranks_are_named_together_on_every_survivor(peers):
     group.assert_named((0, 1), lost_line("ranks [2, 3]", "their connections closed"))
 
 
-def test_a_frozen_rank_is_named_after_its_silence(peers):
+def test_a_frozen_rank_is_not_lost_while_its_machine_answers_and_is_named_once_killed(peers):
     group = peers(silence=3.0)
     group.all_beating()
-    group.processes[1].send_signal(signal.SIGSTOP)   # its sockets stay open; it sends nothing
-    group.assert_named((0, 2, 3), lost_line("rank 1", "no heartbeat for 3 s"))
+    group.processes[1].send_signal(signal.SIGSTOP)   # no heartbeat (as a long call holding the GIL), its kernel answers
+    time.sleep(3 * 3.0)
+    assert [group.lines(rank) for rank in (0, 2, 3)] == [[], [], []]
+    group.processes[1].kill()
+    group.assert_named((0, 2, 3), lost_line("rank 1", "its connection closed"))
 
 
 def test_a_lost_host_is_named_by_the_others(peers):
@@ -155,3 +159,40 @@ def test_a_taken_port_switches_the_watchdog_off_with_one_line_and_training_goes_
     assert watchdog.step == 5 and watchdog.closed
     assert [r.getMessage() for r in caplog.records] == [
         f"mindmon: the peer watchdog is off: rank 0 cannot listen at 127.0.0.1:{port} (Address already in use)"]
+
+
+@pytest.fixture
+def two_machines():
+    """Two network namespaces joined by a veth pair, as two machines (10.231.0.1 and 10.231.0.2), and a
+    function that pulls the second one's cable (its end of the link down: nothing answers any more)."""
+    tag = f"mm{os.getpid() % 100000}"
+    machines, ends = (f"{tag}a", f"{tag}b"), (f"{tag}x", f"{tag}y")
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        for machine in machines:
+            ip("netns", "add", machine)
+        ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+        for number, (machine, end) in enumerate(zip(machines, ends), 1):
+            ip("link", "set", end, "netns", machine)
+            ip("-n", machine, "addr", "add", f"10.231.0.{number}/24", "dev", end)
+            ip("-n", machine, "link", "set", end, "up")
+            ip("-n", machine, "link", "set", "lo", "up")
+        yield machines, lambda: ip("-n", machines[1], "link", "set", ends[1], "down")
+    finally:
+        for machine in machines:
+            subprocess.run(["ip", "netns", "del", machine], capture_output=True)
+
+
+def test_a_machine_that_stops_answering_is_named_after_the_silence(peers, two_machines):
+    machines, pull_cable = two_machines
+    group = peers(silence=3.0, host="10.231.0.1",
+                  machine_of=lambda rank: ["ip", "netns", "exec", machines[rank == 3]])   # rank 3 alone on B
+    group.all_beating()
+    pull_cable()
+    group.assert_named((0, 1, 2), lost_line("rank 3", "its machine gave no answer for 3 s"))
+    assert group.wait_for(3, "stopped answering") and group.lines(3) == [
+        f"ERROR mindmon: rank 0 (mindmon's heartbeat host) stopped answering (its machine gave no answer for 3 s; "
+        f"last seen at step {STEPS}); this job cannot go on (which other ranks were lost with it cannot be told)"]

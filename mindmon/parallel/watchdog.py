@@ -4,9 +4,11 @@ wait in a collective that will never complete (docs/multi-rank.md, "A lost node"
 World rank 0 hosts a small TCP server at the master's address (`MS_SCHED_HOST`, port `MS_SCHED_PORT` + 1);
 every other rank keeps one connection to it and sends its last written step every second. A rank is
 lost when its connection closes without a goodbye (its process died: the kernel closes its sockets)
-or when it has sent nothing for `SILENCE` seconds (its host or network is gone). Rank 0 waits `SETTLE`
-seconds after the first loss, so the ranks of one node are named together, then logs one line and
-answers every survivor's next heartbeat with it. A rank that loses rank 0 says so itself.
+or when its machine has not answered for `SILENCE` seconds (TCP keepalive and TCP_USER_TIMEOUT: the
+machine or the network is gone). Liveness is the kernel's, not the Python thread's: a rank whose
+threads are held for a while (a long call that keeps the GIL, a stopped process) is not lost. Rank 0
+waits `SETTLE` seconds after the first loss, so the ranks of one node are named together, then logs
+one line and answers every survivor's next heartbeat with it. A rank that loses rank 0 says so itself.
 
 Why a thread and sockets of its own: a survivor's main thread is inside MindSpore's all-reduce, which
 releases the GIL while it waits, so a daemon thread still runs; no Python handler runs on the main
@@ -15,6 +17,7 @@ thread until MindSpore's own heartbeat ends the process about 30 s later. Plain 
 own waits bounded by timeouts it sets, both of which a key-value store hides.
 """
 import atexit
+import errno
 import os
 import selectors
 import socket
@@ -26,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mindmon.engine import RunInfo, Sink
 
 INTERVAL = 1.0    # seconds between a rank's heartbeats
-SILENCE = 10.0    # seconds without a heartbeat after which a connected rank is lost
+SILENCE = 10.0    # seconds without an answer from a rank's machine (to keepalive probes or data): lost
 SETTLE = 2.0      # seconds rank 0 waits after the first loss, for the other ranks of the same node
 STARTUP = 120.0   # seconds a rank keeps trying to reach rank 0 before it gives up (the watchdog off)
 HOST_RANK = 0
@@ -173,14 +176,9 @@ class _Server:
             selector.close()
 
     def _loop(self, selector, listener) -> None:
-        last = time.monotonic()
         while not self.watchdog.stopping():
             events = selector.select(timeout=self.watchdog.interval / 2)
             now = time.monotonic()
-            if now - last > self.watchdog.silence / 2:   # this thread was held (the GIL): nobody is judged on it
-                for entry in self.seen.values():
-                    entry[0] = now
-            last = now
             for key, _ in events:
                 if key.fileobj is listener:
                     self._accept(selector, listener)
@@ -194,20 +192,22 @@ class _Server:
         except OSError:
             return
         connection.setblocking(False)
+        _keep_alive(connection, self.watchdog.silence)
         selector.register(connection, selectors.EVENT_READ, _Peer())
 
     def _read(self, selector, connection, peer: _Peer, now: float) -> None:
+        ended = "closed"
         try:
             data = connection.recv(4096)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
-            data = b""
+        except OSError as error:
+            data, ended = b"", "silent" if _silent(error) else "closed"
         if not data:
             selector.unregister(connection)
             connection.close()
             if peer.rank in self.seen and self.seen[peer.rank][2] == "up":
-                self.seen[peer.rank][2] = "closed"
+                self.seen[peer.rank][2] = ended
             return
         peer.buffer += data
         *lines, peer.buffer = peer.buffer.split(b"\n")
@@ -227,15 +227,13 @@ class _Server:
         elif words == ["bye"]:
             self.seen[peer.rank][2] = "done"
 
-    def lost(self, now: float) -> List[int]:
-        silence = self.watchdog.silence
-        return sorted(r for r, (beat, _, state) in self.seen.items()
-                      if state == "closed" or (state == "up" and now - beat > silence))
+    def lost(self) -> List[int]:
+        return sorted(r for r, (_, _, state) in self.seen.items() if state in ("closed", "silent"))
 
     def _judge(self, now: float) -> None:
         if self.watchdog.verdict is not None:
             return
-        lost = self.lost(now)
+        lost = self.lost()
         if not lost:
             self.first_loss = None
             return
@@ -246,9 +244,13 @@ class _Server:
 
     def line(self, lost: List[int]) -> str:
         closed = [r for r in lost if self.seen[r][2] == "closed"]
-        silent = f"no heartbeat for {self.watchdog.silence:g} s"
-        how = ("their connections closed" if len(lost) > 1 else "its connection closed") if len(closed) == len(lost) \
-            else silent if not closed else f"connections closed or {silent}"
+        silent, one = f"{self.watchdog.silence:g} s", len(lost) == 1
+        if len(closed) == len(lost):
+            how = "its connection closed" if one else "their connections closed"
+        elif not closed:
+            how = f"{'its machine' if one else 'their machines'} gave no answer for {silent}"
+        else:
+            how = f"connections closed, or machines silent for {silent}"
         steps = step_phrase([self.seen[r][1] for r in lost])
         return f"mindmon: {ranks_phrase(lost)} stopped answering ({how}; {steps}); this job cannot go on"
 
@@ -279,7 +281,10 @@ class _Client:
         error: Optional[OSError] = None
         while not self.watchdog.stopping() and time.monotonic() < deadline:
             try:
-                return socket.create_connection(self.watchdog.address, timeout=self.watchdog.silence)
+                connection = socket.create_connection(self.watchdog.address, timeout=self.watchdog.silence)
+                connection.settimeout(None)   # answers may wait on a held rank 0; only its kernel's silence counts
+                _keep_alive(connection, self.watchdog.silence)
+                return connection
             except OSError as failure:
                 error = failure
                 self.watchdog.stopping(self.watchdog.interval)
@@ -294,9 +299,9 @@ class _Client:
         try:
             connection.sendall(f"beat {self.watchdog.step}\n".encode())
             answer = reader.readline().decode("ascii", "replace").rstrip("\n")
-        except socket.timeout:
-            return self._host_lost(f"no answer for {self.watchdog.silence:g} s")
-        except OSError:
+        except OSError as error:
+            if _silent(error):
+                return self._host_lost(f"its machine gave no answer for {self.watchdog.silence:g} s")
             answer = ""
         if not answer:
             return self._host_lost("its connection closed")
@@ -313,6 +318,25 @@ class _Client:
                                f"{step_phrase([self.host_step])}); this job cannot go on (which other ranks "
                                f"were lost with it cannot be told)")
         return False
+
+
+def _silent(error: OSError) -> bool:
+    """The kernel gave up on a machine that answers nothing: ETIMEDOUT, or the unreachable error it met
+    on the way (Linux reports that one in its place)."""
+    return error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
+def _keep_alive(connection: socket.socket, seconds: float) -> None:
+    """The kernel gives up on the connection when the other machine has answered nothing for about
+    `seconds`: keepalive probes while it is idle, TCP_USER_TIMEOUT while data waits for an ACK."""
+    probe = max(1, int(seconds / 5))
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", probe), ("TCP_KEEPINTVL", probe), ("TCP_KEEPCNT", 4),
+                        ("TCP_USER_TIMEOUT", int(seconds * 1000))):
+        if hasattr(socket, name):   # Linux has them all; elsewhere the system's defaults stay
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        connection.setsockopt(level, option, value)
 
 
 def _listen(address: Tuple[str, int]) -> socket.socket:
