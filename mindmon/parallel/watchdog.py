@@ -79,6 +79,7 @@ class PeerWatchdog(Sink):
         self.goodbye = True   # whether the end tells the others (False: they name this rank lost)
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._side = None   # the _Server or _Client the thread runs
 
     @property
     def token(self) -> str:
@@ -91,8 +92,8 @@ class PeerWatchdog(Sink):
             return   # one watchdog a process: a second group in it (or a second open) adds nothing
         _watching = self
         self.step = run.start_step
-        target = _Server(self).run if self.rank == HOST_RANK else _Client(self).run
-        self._thread = threading.Thread(target=self._guarded, args=(target,), name="mindmon-peer-watchdog",
+        self._side = _Server(self) if self.rank == HOST_RANK else _Client(self)
+        self._thread = threading.Thread(target=self._guarded, args=(self._side.run,), name="mindmon-peer-watchdog",
                                         daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
@@ -121,6 +122,8 @@ class PeerWatchdog(Sink):
 
     def _stop(self) -> None:
         self._stopping.set()
+        if self.goodbye and isinstance(self._side, _Client):
+            self._side.say_goodbye()   # from this thread: the watchdog's may be waiting on a held rank 0
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
 
@@ -153,7 +156,7 @@ class _Server:
 
     def __init__(self, watchdog: PeerWatchdog):
         self.watchdog = watchdog
-        self.seen: Dict[int, List] = {}   # rank -> [last heartbeat (monotonic), step, "up" | "closed" | "done"]
+        self.seen: Dict[int, List] = {}   # rank -> [its last step, "up" | "closed" | "silent" | "done"]
         self.first_loss: Optional[float] = None
 
     def run(self) -> None:
@@ -183,7 +186,7 @@ class _Server:
                 if key.fileobj is listener:
                     self._accept(selector, listener)
                 else:
-                    self._read(selector, key.fileobj, key.data, now)
+                    self._read(selector, key.fileobj, key.data)
             self._judge(now)
 
     def _accept(self, selector, listener) -> None:
@@ -195,7 +198,7 @@ class _Server:
         _keep_alive(connection, self.watchdog.silence)
         selector.register(connection, selectors.EVENT_READ, _Peer())
 
-    def _read(self, selector, connection, peer: _Peer, now: float) -> None:
+    def _read(self, selector, connection, peer: _Peer) -> None:
         ended = "closed"
         try:
             data = connection.recv(4096)
@@ -206,29 +209,29 @@ class _Server:
         if not data:
             selector.unregister(connection)
             connection.close()
-            if peer.rank in self.seen and self.seen[peer.rank][2] == "up":
-                self.seen[peer.rank][2] = ended
+            if peer.rank in self.seen and self.seen[peer.rank][1] == "up":
+                self.seen[peer.rank][1] = ended
             return
         peer.buffer += data
         *lines, peer.buffer = peer.buffer.split(b"\n")
         for line in lines:
-            self._message(connection, peer, line.decode("ascii", "replace").split(), now)
+            self._message(connection, peer, line.decode("ascii", "replace").split())
 
-    def _message(self, connection, peer: _Peer, words: List[str], now: float) -> None:
+    def _message(self, connection, peer: _Peer, words: List[str]) -> None:
         if len(words) == 3 and words[0] == "hello" and words[1].isdigit() and words[2] == self.watchdog.token:
             peer.rank = int(words[1])
-            self.seen[peer.rank] = [now, 0, "up"]
+            self.seen[peer.rank] = [0, "up"]
         elif peer.rank is None:
             return
         elif len(words) == 2 and words[0] == "beat" and words[1].isdigit():
-            self.seen[peer.rank][:2] = [now, int(words[1])]
+            self.seen[peer.rank][0] = int(words[1])
             verdict = self.watchdog.verdict
             _send(connection, f"lost {verdict}\n".encode() if verdict else f"ok {self.watchdog.step}\n".encode())
         elif words == ["bye"]:
-            self.seen[peer.rank][2] = "done"
+            self.seen[peer.rank][1] = "done"
 
     def lost(self) -> List[int]:
-        return sorted(r for r, (_, _, state) in self.seen.items() if state in ("closed", "silent"))
+        return sorted(r for r, (_, state) in self.seen.items() if state in ("closed", "silent"))
 
     def _judge(self, now: float) -> None:
         if self.watchdog.verdict is not None:
@@ -243,7 +246,7 @@ class _Server:
             self.watchdog.announce(self.line(lost))
 
     def line(self, lost: List[int]) -> str:
-        closed = [r for r in lost if self.seen[r][2] == "closed"]
+        closed = [r for r in lost if self.seen[r][1] == "closed"]
         silent, one = f"{self.watchdog.silence:g} s", len(lost) == 1
         if len(closed) == len(lost):
             how = "its connection closed" if one else "their connections closed"
@@ -251,7 +254,7 @@ class _Server:
             how = f"{'its machine' if one else 'their machines'} gave no answer for {silent}"
         else:
             how = f"connections closed, or machines silent for {silent}"
-        steps = step_phrase([self.seen[r][1] for r in lost])
+        steps = step_phrase([self.seen[r][0] for r in lost])
         return f"mindmon: {ranks_phrase(lost)} stopped answering ({how}; {steps}); this job cannot go on"
 
 
@@ -261,6 +264,7 @@ class _Client:
     def __init__(self, watchdog: PeerWatchdog):
         self.watchdog = watchdog
         self.host_step = 0
+        self.connection: Optional[socket.socket] = None
 
     def run(self) -> None:
         connection = self._connect()
@@ -268,13 +272,18 @@ class _Client:
             return
         with connection:
             connection.sendall(f"hello {self.watchdog.rank} {self.watchdog.token}\n".encode())
+            self.connection = connection
             reader = connection.makefile("rb")
             while not self.watchdog.stopping():
                 if not self._beat(connection, reader):
                     return
                 self.watchdog.stopping(self.watchdog.interval)
-            if self.watchdog.goodbye:
-                _send(connection, b"bye\n")
+            if self.watchdog.goodbye:   # again, for a close() that came before the hello went out
+                self.say_goodbye()
+
+    def say_goodbye(self) -> None:
+        if self.connection is not None:
+            _send(self.connection, b"bye\n")
 
     def _connect(self) -> Optional[socket.socket]:
         deadline = time.monotonic() + self.watchdog.startup
