@@ -177,7 +177,7 @@ def test_a_lost_node_is_named_by_every_survivor_and_ends_the_other_keeping_its_s
         assert len(lines) == 1, lines   # one line, both ranks in it, before MindSpore ended the process
         assert lines[0].endswith(f"[rank {rank}] mindmon: ranks [2, 3] stopped answering (their connections "
                                  f"closed; last seen at {_seen(_last_seen(lines[0]))}); this job cannot go on"), lines
-        assert 1 <= min(_last_seen(lines[0])) and max(_last_seen(lines[0])) <= lost_at   # at most their last written
+        assert max(_last_seen(lines[0])) <= lost_at   # their last heartbeat's step: at most their last written
         text = _log(tmp_path, 0, f"worker_{rank}.log")
         if "Kill this process with SIGTERM" in text:   # MindSpore's own end of the process came after it
             assert text.index("stopped answering") < text.index("Kill this process with SIGTERM")
@@ -199,5 +199,5 @@ def test_losing_the_heartbeat_host_is_named_by_the_other_node(tmp_path):
         assert lines[0].endswith(f"[rank {rank}] mindmon: rank 0 (mindmon's heartbeat host) stopped answering (its "
                                  f"connection closed; last seen at {_seen(_last_seen(lines[0]))}); this job cannot "
                                  f"go on (which other ranks were lost with it cannot be told)"), lines
-        assert 1 <= _last_seen(lines[0])[0] <= host_at   # its last answer's step, at most its last written
+        assert _last_seen(lines[0])[0] <= host_at   # its last answer's step: at most its last written
         _whole_steps(tmp_path, rank)

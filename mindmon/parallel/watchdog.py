@@ -60,9 +60,8 @@ def ranks_phrase(ranks: Sequence[int]) -> str:
 
 
 def step_phrase(steps: Sequence[int]) -> str:
+    """The last step written by the lost ranks when they last beat (0: before their first step)."""
     steps = sorted(set(steps))
-    if steps == [0]:
-        return "before the first step"
     return f"last seen at step {steps[0]}" if len(steps) == 1 else f"last seen at steps {steps}"
 
 
