@@ -71,6 +71,7 @@ def test_two_nodes_write_every_rank_reduce_over_four_and_deliver_every_alert(tmp
     assert nodes[1].returncode != 0 and "Failed to init the tcp server" in _log(tmp_path, 1, "scheduler.log")
     for rank in range(RANKS):
         assert "trained" in _log(tmp_path, rank // 2, f"worker_{rank}.log").splitlines()
+        assert _watchdog_lines(tmp_path, rank) == []   # ranks that end, at whatever moment, are not lost
     records = {rank: _records(tmp_path, rank) for rank in range(RANKS)}
     weight = np.full((3, 1), 0.25)
     for rank in range(RANKS):   # step 1's local losses, from the initial weight, by numpy
