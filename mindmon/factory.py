@@ -124,7 +124,16 @@ def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = ()
             feature.build(result, section)
             feature_sinks += result.sinks
     result.sinks = (_own_outputs(result) if outputs is None else list(outputs)) + feature_sinks
+    result.sinks += _peer_watchdog(result.logger)
     return result
+
+
+def _peer_watchdog(logger) -> List[Sink]:
+    """On a run of several ranks, the thread that names the ranks lost mid-run (mindmon.parallel.watchdog)."""
+    from mindmon.parallel.watchdog import peer_watchdog
+
+    watchdog = peer_watchdog(logger)
+    return [watchdog] if watchdog is not None else []
 
 
 def build_group(config: MindmonConfig, model=None, parameter_names: Sequence[str] = (), rank: Optional[int] = None,

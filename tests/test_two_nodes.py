@@ -8,6 +8,7 @@ its workers finish: the tests start node 0 first, wait for its scheduler's port,
 the workers. msrun starts each worker in a process group of its own, so a SIGKILL of a launcher's
 process group leaves its workers running: losing a node means killing the launcher and its workers."""
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -70,6 +71,7 @@ def test_two_nodes_write_every_rank_reduce_over_four_and_deliver_every_alert(tmp
     assert nodes[1].returncode != 0 and "Failed to init the tcp server" in _log(tmp_path, 1, "scheduler.log")
     for rank in range(RANKS):
         assert "trained" in _log(tmp_path, rank // 2, f"worker_{rank}.log").splitlines()
+        assert _watchdog_lines(tmp_path, rank) == []   # ranks that end, at whatever moment, are not lost
     records = {rank: _records(tmp_path, rank) for rank in range(RANKS)}
     weight = np.full((3, 1), 0.25)
     for rank in range(RANKS):   # step 1's local losses, from the initial weight, by numpy
@@ -105,30 +107,98 @@ def _steps_written(run_dir, rank):
     return {r.step for r in jsonl.read_records(str(path))} if path.exists() else set()
 
 
-def test_a_lost_node_ends_the_other_within_mindspores_heartbeat_timeout_and_keeps_its_steps(tmp_path):
+def _watchdog_lines(run_dir, rank):
+    text = _log(run_dir, rank // 2, f"worker_{rank}.log")
+    return [line for line in text.splitlines() if "stopped answering" in line]
+
+
+def _named_after(run_dir, rank, killed_at, deadline=120):
+    """Seconds from the kill to the watchdog's first line in the surviving rank's log (None: none came)."""
+    while time.time() < killed_at + deadline:
+        if _watchdog_lines(run_dir, rank):
+            return time.time() - killed_at
+        time.sleep(0.1)
+    return None
+
+
+def _whole_steps(run_dir, rank):
+    """Every step the rank wrote is whole: K local losses, the device loss and norm; the last step."""
+    text = (run_dir / "out" / f"rank_{rank}" / "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    records = jsonl.read_records(str(run_dir / "out" / f"rank_{rank}" / "metrics.jsonl"))
+    steps = sorted({r.step for r in records})
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 3
+    for step in steps:
+        kinds = sorted(r.kind for r in records if r.step == step)
+        assert kinds == ["device_loss", "device_norm"] + ["local_loss"] * K, (rank, step, kinds)
+    return steps[-1]
+
+
+def _lose(run_dir, lost, survivors):
+    """Both nodes past step 3, then the launcher and workers of `lost` killed, and the watchdog's lines
+    waited for in the surviving ranks' logs."""
+    deadline = time.time() + 240
+    while time.time() < deadline and not all(3 in _steps_written(run_dir, rank) for rank in range(RANKS)):
+        time.sleep(0.5)
+    kill_node(lost)
+    killed_at = time.time()
+    for rank in survivors:
+        print(f"rank {rank}: the watchdog's line {_named_after(run_dir, rank, killed_at)} s after the kill")
+
+
+def _last_seen(line):
+    """The step(s) a watchdog line gives: `last seen at step 17` or, when the ranks' last heartbeats
+    carried different steps, `last seen at steps [17, 18]`."""
+    found = re.search(r"last seen at steps? \[?([0-9, ]+)\]?\)", line)
+    return [int(step) for step in found.group(1).split(",")]
+
+
+def _seen(steps):
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+
+
+def test_a_lost_node_is_named_by_every_survivor_and_ends_the_other_keeping_its_steps(tmp_path):
     first, second = launch_two_nodes(tmp_path, 100_000)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not all(3 in _steps_written(tmp_path, rank) for rank in range(RANKS)):
-            time.sleep(0.5)
-        kill_node(second)
+        _lose(tmp_path, second, (0, 1))
         killed_at = time.time()
         output = first.communicate(timeout=240)[0]
-        print(f"node 0 ended {time.time() - killed_at:.1f} s after node 1 was killed")
+        print(f"node 0 ended {time.time() - killed_at:.1f} s after its workers named the lost ranks")
     finally:
         for launcher in (first, second):
             if launcher.poll() is None:
                 kill_node(launcher)
     assert first.returncode != 0, output[-2000:]
     scheduler = _log(tmp_path, 0, "scheduler.log")
-    named = {rank for rank in range(RANKS) if f"The node: {rank} is timed out" in scheduler}
-    assert named and named <= {2, 3}, named   # the first lost rank(s) of node 1, and none of node 0
-    for rank in (0, 1):   # every step a surviving rank wrote is whole: K local losses, the device loss and norm
-        text = (tmp_path / "out" / f"rank_{rank}" / "metrics.jsonl").read_text()
-        assert text.endswith("\n")
-        records = jsonl.read_records(str(tmp_path / "out" / f"rank_{rank}" / "metrics.jsonl"))
-        steps = sorted({r.step for r in records})
-        assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 3
-        for step in steps:
-            kinds = sorted(r.kind for r in records if r.step == step)
-            assert kinds == ["device_loss", "device_norm"] + ["local_loss"] * K, (rank, step, kinds)
+    timed_out = {rank for rank in range(RANKS) if f"The node: {rank} is timed out" in scheduler}
+    assert timed_out and timed_out <= {2, 3}, timed_out   # MindSpore's: the first lost rank(s) of node 1
+    lost_at = max(max(_steps_written(tmp_path, rank)) for rank in (2, 3))
+    for rank in (0, 1):
+        lines = _watchdog_lines(tmp_path, rank)
+        assert len(lines) == 1, lines   # one line, both ranks in it, before MindSpore ended the process
+        assert lines[0].endswith(f"[rank {rank}] mindmon: ranks [2, 3] stopped answering (their connections "
+                                 f"closed; last seen at {_seen(_last_seen(lines[0]))}); this job cannot go on"), lines
+        assert max(_last_seen(lines[0])) <= lost_at   # their last heartbeat's step: at most their last written
+        text = _log(tmp_path, 0, f"worker_{rank}.log")
+        if "Kill this process with SIGTERM" in text:   # MindSpore's own end of the process came after it
+            assert text.index("stopped answering") < text.index("Kill this process with SIGTERM")
+        _whole_steps(tmp_path, rank)
+
+
+def test_losing_the_heartbeat_host_is_named_by_the_other_node(tmp_path):
+    first, second = launch_two_nodes(tmp_path, 100_000)
+    try:
+        _lose(tmp_path, first, (2, 3))
+    finally:
+        for launcher in (first, second):
+            if launcher.poll() is None:
+                kill_node(launcher)
+    host_at = max(_steps_written(tmp_path, 0))
+    for rank in (2, 3):
+        lines = _watchdog_lines(tmp_path, rank)
+        assert len(lines) == 1, lines
+        assert lines[0].endswith(f"[rank {rank}] mindmon: rank 0 (mindmon's heartbeat host) stopped answering (its "
+                                 f"connection closed; last seen at {_seen(_last_seen(lines[0]))}); this job cannot "
+                                 f"go on (which other ranks were lost with it cannot be told)"), lines
+        assert _last_seen(lines[0])[0] <= host_at   # its last answer's step: at most its last written
+        _whole_steps(tmp_path, rank)
