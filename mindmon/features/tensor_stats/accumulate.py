@@ -103,7 +103,7 @@ class GradientSums:
             self._add_table(np.array(table, dtype=np.int64), finishing)
 
     def _add_table(self, table: np.ndarray, finishing: List[int]) -> None:
-        ops, eps = self._stats.ops if self._stats is not None else (), self._stats.eps if self._stats else 0.0
+        ops, eps = (self._stats.ops, self._stats.eps) if self._stats is not None else ((), 0.0)
         rows, redo = adds_at(table, eps, SMALL, statistic_codes(ops), len(finishing))
         unsure = set(redo.tolist())   # NaN or inf: numpy's rules, when the statistics are asked for
         for row, index in enumerate(finishing):
