@@ -169,10 +169,11 @@ def test_generate_xy_metrics_mid_step(tmp_path, output_root):
     monitor.close()
 
 
-def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
+def test_no_backward_hook_ever_and_parameter_hooks_only_on_collected_steps(tmp_path, output_root):
     """MindSpore slows every step that has cell backward or parameter gradient hooks, even when they return
-    at once: they are attached for collected steps only. With step_interval 2, steps 0 and 2 are collected
-    (and are right against numpy after the hooks came back); between steps 0 and 1 there are none."""
+    at once. Activation gradients come from tensor hooks registered in a collected forward, so no cell ever
+    has a backward hook; parameter hooks are attached for collected steps only. With step_interval 2, steps
+    0 and 2 are collected (and are right against numpy after the hooks came back)."""
     from msprobe_reference import reference_run
 
     models, attached = [], []
@@ -181,14 +182,16 @@ def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
         cells = [cell for _, cell in models[0].cells_and_names()]
         attached.append((sum(len(cell._backward_hook) for cell in cells),
                          sum(len(param.hooks()) for param in models[0].trainable_params()),
-                         sum(len(cell._forward_hook) for cell in cells)))
+                         sum(len(cell._forward_hook) for cell in cells),
+                         sum(len(cell._forward_pre_hook) for cell in cells)))
 
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
-    # (cell backward hooks, parameter hooks, forward hooks) after each step: after step 0 (step 1 next, not
-    # collected) no backward hook; after step 1 (step 2 next) 4 cells and 4 parameters. The forward hooks
-    # stay (they cost nothing measurable); after step 2 the next step is not collected.
-    assert attached == [(0, 0, 4), (4, 4, 4), (0, 0, 4)]
+    # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step: after step 0
+    # (step 1 next, not collected) no parameter hook; after step 1 (step 2 next) 4 parameters; after step 2
+    # the next step is not collected. The 4 cells' forward and pre-hooks stay (they return at once on a step
+    # not collected), plus the root's pre-hook that counts micro-steps.
+    assert attached == [(0, 0, 4, 5), (0, 4, 4, 5), (0, 0, 4, 5)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}

@@ -314,7 +314,7 @@ class HookTimer:
         this bench process times every one it makes (only the activations configuration makes any)."""
         from mindmon.features.tensor_stats.activations import ActivationHooks
 
-        for factory in ("_forward_hook", "_backward_hook"):
+        for factory in ("_forward_hook", "_input_hook", "_gradient_hook"):
             make = getattr(ActivationHooks, factory)
             setattr(ActivationHooks, factory, lambda hooks, *args, make=make: self.wrap(make(hooks, *args), True))
 

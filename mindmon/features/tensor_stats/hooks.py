@@ -393,16 +393,18 @@ class TensorStatsHooks:
 
     # --- failures -------------------------------------------------------------------------------------
 
-    def _guard(self, function, *args) -> None:
-        """A hook that fails switches its monitor off by the group's one policy (logged once, training goes
-        on, what was written stays); the hooks stop collecting now and are detached at the step's end."""
+    def _guard(self, function, *args):
+        """`function(*args)`, or None if it fails: a hook that fails switches its monitor off by the group's
+        one policy (logged once, training goes on, what was written stays); the hooks stop collecting now
+        and are detached at the step's end."""
         try:
-            function(*args)
+            return function(*args)
         except Exception as error:  # noqa: BLE001 - the training must not die of its monitor
             self.collecting = self.running = False
             self.failed = True
             self.monitor.reset()
             self.recorder.switch_off(self.monitor, error)
+            return None
 
     def _warn_once(self, key, message: str, *args) -> None:
         if key not in self._warned:
