@@ -15,13 +15,17 @@ def test_views_equal_asnumpy_and_views_are_taken_where_safe():
     cases = {
         "contiguous": (base, True),
         "offset rows (narrow on dim 0, contiguous)": (mint.narrow(base, 0, 1, 1), True),
-        "strided columns (narrow on the last dim)": (mint.narrow(base, 2, 1, 2), False),
+        "strided columns (narrow on the last dim)": (mint.narrow(base, 2, 1, 2), True),
+        "a split's middle part (rows of 4 of 12, offset 4)": (mint.split(base.reshape(2, 12), 4, dim=-1)[1], True),
+        "transposed": (mint.transpose(base, 0, 2), True),
         "int32": (ms.Tensor(np.array([3, -1, 4], np.int32)), True),
         "float16": (ms.Tensor(np.array([0.5, -2.0], np.float16)), True),
         "bool": (ms.Tensor(np.array([True, False, True])), True),
         "0-dim": (ms.Tensor(np.float32(2.5)), True),
         "empty": (ms.Tensor(np.zeros((0, 3), np.float32)), True),
     }
+    # the last three are strided views of `base`'s memory (what makes them a case), read through copies
+    assert [label for label, (tensor, _) in cases.items() if not tensor.is_contiguous()] == list(cases)[2:5]
     for label, (tensor, direct) in cases.items():
         view = direct_view(tensor, str(tensor.dtype))
         assert (view is not None) == direct, label

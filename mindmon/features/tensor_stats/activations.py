@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from mindmon.chunks import names_match
-from mindmon.compat import mindspore_types, named_cells, register_gradient_hook
+from mindmon.compat import is_floating, mindspore_types, named_cells, register_gradient_hook
 from mindmon.config import ConfigError, check_keys, describe
 from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD
 from mindmon.features.tensor_stats.targets import squash_name
@@ -393,7 +393,7 @@ class GradientRow:
 def watch_gradient(tensor, hook) -> bool:
     """`hook(gradient)` on this tensor of the forward pass; False for a tensor no gradient flows to (MindSpore
     refuses a hook on a tensor that does not require one)."""
-    if not tensor.is_floating_point():
+    if not is_floating(tensor.dtype):
         return False
     try:
         register_gradient_hook(tensor, hook)
