@@ -10,6 +10,7 @@ Example:
     norms.results()[("accumulated", 0)]  # np.ndarray, one float64 per tensor
 """
 import ctypes
+import math
 from typing import Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -112,6 +113,22 @@ def float32_memory(tensor, direct: bool) -> Tuple[object, object, int]:
     if direct and is_float32(dtype) and addressable(tensor):
         return shape, dtype, tensor._data_ptr()
     return shape, dtype, 0
+
+
+def float32_runs(tensor) -> Optional[Tuple[int, int, int, int]]:
+    """(address, runs, run length, stride between run starts) of a strided float32 CPU tensor whose elements
+    lie in equal runs: its last dimension contiguous, the ones before it one stride apart (a slice of a
+    wider tensor's last dimension); None for any other layout, or one with no memory. Only where
+    `direct_views_allowed()`, for a tensor `float32_memory` gave no address."""
+    if not hasattr(tensor, "_data_ptr"):
+        return None
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if len(shape) < 2 or strides[-1] != 1 or any(strides[i] != strides[i + 1] * shape[i + 1]
+                                                 for i in range(len(shape) - 2)):
+        return None
+    runs, length = math.prod(shape[:-1]), shape[-1]
+    address = tensor._data_ptr() if runs and length else 0
+    return (address, runs, length, strides[-2]) if address else None
 
 
 def direct_view(tensor, name: str):

@@ -30,13 +30,13 @@ import math
 
 import numpy as np
 
-from mindmon.compat import dtype_name
+from mindmon.compat import dtype_name, is_float32
 from mindmon.engine import Monitor
 from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
                                                   OPS, PARAM_ORIGIN, PARAM_UPDATED, POINTS)
 from mindmon.records import Record, TensorStatsRecord
-from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at
-from mindmon.kernels.stats import SMALL, StepDirectViews, direct_view, host_array, float32_memory
+from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at, row_reductions_at
+from mindmon.kernels.stats import SMALL, StepDirectViews, direct_view, float32_memory, float32_runs, host_array
 
 
 
@@ -121,10 +121,33 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
             rows[index] = numpy_stats(direct_view(tensors[index], "Float32"), ops, eps, not layouts[index][0])
     else:
         rows = np.empty((len(tensors), len(ops)))
+    if direct and elsewhere:
+        elsewhere = _strided_statistics(tensors, layouts, elsewhere, ops, eps, rows)
     for index in elsewhere:
         shape, dtype = layouts[index]
         rows[index] = numpy_stats(host_array(tensors[index], direct, dtype_name(dtype)), ops, eps, not shape)
     return rows, layouts
+
+
+def _strided_statistics(tensors: Sequence, layouts: List[tuple], indices: List[int], ops: Sequence[str],
+                        eps: float, rows: np.ndarray) -> List[int]:
+    """Into `rows`: the statistics of the strided float32 tensors among `indices` whose elements lie in equal
+    runs (`float32_runs`), read where they lie, in one compiled call; returns the indices left (other
+    dtypes and layouts, NaN or inf) for `numpy_stats`."""
+    strided, left = [], []
+    for index in indices:
+        runs = float32_runs(tensors[index]) if is_float32(layouts[index][1]) else None
+        if runs is None:
+            left.append(index)
+        else:
+            strided += (index, *runs)
+    if strided:
+        found, redo = row_reductions_at(np.array(strided, dtype=np.int64), eps, SMALL, statistic_codes(ops),
+                                        len(tensors))
+        taken = [strided[5 * k] for k in range(len(strided) // 5)]
+        rows[taken] = found[taken]
+        left += [strided[5 * k] for k in redo.tolist()]
+    return left
 
 
 _CODES: Dict[Tuple[str, ...], np.ndarray] = {}
