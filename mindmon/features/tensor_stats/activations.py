@@ -393,7 +393,8 @@ class GradientRow:
 def watch_gradient(tensor, hook) -> bool:
     """`hook(gradient)` on this tensor of the forward pass; False for a tensor no gradient flows to (MindSpore
     refuses a hook on a tensor that does not require one)."""
-    if not is_floating(tensor.dtype):
+    core = mindspore_types().core   # its own dtype attribute: no Python frame (a hook calls this per tensor)
+    if not is_floating(tensor._dtype if isinstance(tensor, core) else tensor.dtype):
         return False
     try:
         register_gradient_hook(tensor, hook)
