@@ -64,6 +64,26 @@ def test_every_cell_forward_and_backward_matches_numpy(tmp_path, output_root):
         assert file.readline().strip() == "vpp_stage,name,step,micro_step," + ",".join(OPS) + ",shape,dtype"
 
 
+def test_an_output_that_is_also_its_parents_has_one_gradient_hook_and_both_rows(tmp_path, output_root, monkeypatch):
+    """The root returns fc2's output tensor itself: one gradient hook on it serves both cells' rows (one
+    read of one gradient), and both rows hold numpy's gradient of that output."""
+    from mindmon.features.tensor_stats import activations
+
+    watched = []
+    register = activations.register_gradient_hook
+    monkeypatch.setattr(activations, "register_gradient_hook",
+                        lambda tensor, hook: watched.append(hook) or register(tensor, hook))
+    run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
+    # per forward: 3 output tensors (fc1's, act's, fc2's = the root's) and a view of each cell's input
+    assert [hook.rows for hook in watched[:7]] == [[".input"], ["fc1.input"], ["fc1.output"], ["act.input"], ["act.output"],
+                           ["fc2.input"], ["fc2.output", ".output"]]
+    rows = rows_of(output_root)
+    reference = activation_rows(2)
+    for micro_step in range(K):
+        for name in ("fc2.output", ".output"):
+            assert_statistics({key: rows[key] for key in [("actv_grad", 0, micro_step, name)]}, reference)
+
+
 def test_specs_pick_what_they_name(tmp_path, output_root):
     config = {"xy_distribution": True, "ops": ["norm", "max"], "ndigits": 12,
               "targets": {"fc2": {"input": "tuple[1]:0", "output_grad": "tuple[1]:0"},

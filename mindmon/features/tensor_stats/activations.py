@@ -28,6 +28,7 @@ the count of the forward whose tensor it is the gradient of.
 """
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -243,6 +244,10 @@ class ActivationHooks:
         # only the latter is a model never put in training mode (MindSpore cells start in eval mode), said once.
         self._saw_training = self._saw_eval = False
         self._warned_eval = False
+        # Output tensors given a gradient hook in this forward, by id (weakly: a hook must not keep a tensor
+        # alive): a parent cell that returns its child's output gets a row on the child's hook.
+        self._watched: Dict[int, Tuple[weakref.ref, "GradientRow"]] = {}
+        self._watched_step: Optional[int] = None
 
     def attach(self, model) -> int:
         """Hooks every monitored cell; returns how many (their names: `monitored`)."""
@@ -332,9 +337,24 @@ class ActivationHooks:
         """A gradient hook on each output tensor the spec picks (one that needs no gradient has none). The
         spec sees the outputs as a tuple, as MindSpore hands a cell backward hook their gradients."""
         micro_step = self.micro_steps.current
+        if micro_step != self._watched_step:
+            self._watched.clear()
+            self._watched_step = micro_step
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         for row, tensor in self._pick(key, values, (outputs,)) or ():
-            watch_gradient(tensor, self._gradient_hook(row, micro_step))
+            self._watch_output(row, tensor, micro_step)
+
+    def _watch_output(self, row: str, tensor, micro_step: int) -> None:
+        """One gradient hook per output tensor: a tensor that is another cell's output too (a parent returning
+        its last child's output) adds its row to that hook. Its gradient is one tensor at one moment, read
+        once; two hooks would read it twice."""
+        known = self._watched.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            known[1].rows.append(row)
+            return
+        hook = GradientRow(self, [row], micro_step)
+        if watch_gradient(tensor, hook):
+            self._watched[id(tensor)] = (weakref.ref(tensor), hook)
 
     def _watched_inputs(self, key: Tuple[str, str], values: CellValues, inputs: tuple) -> Optional[tuple]:
         """The cell's inputs with each one the spec picks replaced by a view that has a gradient hook; None
@@ -345,16 +365,13 @@ class ActivationHooks:
         micro_step, replaced = self.micro_steps.current, list(inputs)
         for row, place, tensor in rows:
             view = tensor.view(tensor.shape)
-            if watch_gradient(view, self._gradient_hook(row, micro_step)):
+            if watch_gradient(view, GradientRow(self, [row], micro_step)):
                 replaced[place] = view
         return tuple(replaced)
 
-    def _gradient_hook(self, row: str, micro_step: int):
-        return GradientRow(self, row, micro_step)
-
-    def record_gradient(self, row: str, gradient, micro_step: int) -> None:
+    def record_gradient(self, rows: List[str], gradient, micro_step: int) -> None:
         if self.collecting():
-            self.guard(self.record, ACTV_GRAD, [(row, gradient)], micro_step)
+            self.guard(self.record, ACTV_GRAD, [(row, gradient) for row in rows], micro_step)
 
     def end_step(self) -> None:
         """Says once if a collected step saw only cells in eval mode; detaches hooks every use of which had
@@ -365,6 +382,8 @@ class ActivationHooks:
                            "(Cell.training is False; MindSpore cells start so), so no activations were collected; "
                            "call model.set_train(True) before training")
         self._saw_training = self._saw_eval = False
+        self._watched.clear()
+        self._watched_step = None
         for key in [k for k, uses in self._uses.items() if all(use in self._mismatched for use in uses)]:
             self._uses.pop(key)
             self.handles.pop(key).remove()
@@ -377,17 +396,18 @@ class ActivationHooks:
 
 
 class GradientRow:
-    """The gradient hook of one tensor of one forward: its row and micro-step. One object, where a closure
-    is four (a function and three cells): a collected step makes one per tensor, each alive until its
-    backward, and what outlives the young generation makes the cycle collector walk the whole heap sooner."""
+    """The gradient hook of one tensor of one forward: its rows (one per cell it is an output of) and
+    micro-step. An object of its own, where a closure is four (a function and three cells): a collected
+    step makes one per tensor, each alive until its backward, and what outlives the young generation
+    makes the cycle collector walk the whole heap sooner."""
 
-    __slots__ = ("hooks", "row", "micro_step")
+    __slots__ = ("hooks", "rows", "micro_step")
 
-    def __init__(self, hooks: "ActivationHooks", row: str, micro_step: int):
-        self.hooks, self.row, self.micro_step = hooks, row, micro_step
+    def __init__(self, hooks: "ActivationHooks", rows: List[str], micro_step: int):
+        self.hooks, self.rows, self.micro_step = hooks, rows, micro_step
 
     def __call__(self, gradient) -> None:
-        self.hooks.record_gradient(self.row, gradient, self.micro_step)
+        self.hooks.record_gradient(self.rows, gradient, self.micro_step)
 
 
 def watch_gradient(tensor, hook) -> bool:

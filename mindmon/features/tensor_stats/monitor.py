@@ -103,8 +103,15 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
     located = []   # row, address, size, 0-dim of each tensor read where it lies, flat (one numpy call: the table)
     elsewhere = []   # rows numpy_stats takes
+    repeated = []    # rows of a tensor given again right after itself (one gradient, several cells' rows)
     layouts = []
+    previous = None
     for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
+        if tensor is previous:
+            repeated.append(index)
+            layouts.append(layouts[-1])
+            continue
+        previous = tensor
         shape, dtype, address = float32_memory(tensor, direct)
         layouts.append((shape, dtype))
         if address:
@@ -126,6 +133,8 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     for index in elsewhere:
         shape, dtype = layouts[index]
         rows[index] = numpy_stats(host_array(tensors[index], direct, dtype_name(dtype)), ops, eps, not shape)
+    for index in repeated:
+        rows[index] = rows[index - 1]
     return rows, layouts
 
 
