@@ -278,9 +278,6 @@ class ActivationHooks:
         short = squash_name(name) if self.config.squash_name else name
         return name if short in self.row_names.values() else short
 
-    def follow_collection(self) -> None:
-        """Nothing to attach or remove between steps: the gradient hooks live on one forward's tensors."""
-
     def _in_training(self, cell) -> bool:
         """For a collected step: whether this cell's values are collected (training mode)."""
         if cell.training:

@@ -181,9 +181,9 @@ class TensorStatsHooks:
                                                                   self.at.grad_acc_steps)
 
     def _follow_collection(self) -> None:
-        """Between steps: the hooks that run in the backward pass (parameter gradients, cells' backward)
-        are attached for a collected step only. MindSpore slows every step that has them, even when they
-        return at once (docs/performance.md)."""
+        """Between steps: the parameter gradient hooks are attached for a collected step only. MindSpore
+        slows every step that has hooks running in the backward pass, even when they return at once
+        (docs/performance.md); the activations' gradient hooks live on a collected forward's tensors."""
         wanted = self.running and self.collecting and self.config.wg_distribution
         if wanted and not self._gradient_handles:
             self._gradient_handles = [register_gradient_hook(self.at.parameters[index], self._gradient_hook(index, name))
@@ -194,8 +194,6 @@ class TensorStatsHooks:
                 handle.remove()
             self._gradient_handles = []
             self.gradient_sums.expect(0)
-        if self.activations is not None:
-            self.activations.follow_collection()
 
     def detach_capabilities(self) -> None:
         for handle in self._capability_handles:
