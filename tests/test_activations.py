@@ -209,9 +209,10 @@ def test_no_backward_hook_ever_and_parameter_hooks_only_on_collected_steps(tmp_p
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
     # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step: after step 0
     # (step 1 next, not collected) no parameter hook; after step 1 (step 2 next) 4 parameters; after step 2
-    # the next step is not collected. The 4 cells' forward and pre-hooks stay (they return at once on a step
-    # not collected), plus the root's pre-hook that counts micro-steps.
-    assert attached == [(0, 0, 4, 5), (0, 4, 4, 5), (0, 0, 4, 5)]
+    # the next step is not collected. The 4 cells' forward hooks and the 3 non-root cells' pre-hooks stay
+    # (they return at once on a step not collected), plus the root's pre-hook that counts micro-steps (and
+    # gives the root's inputs their views).
+    assert attached == [(0, 0, 4, 4), (0, 4, 4, 4), (0, 0, 4, 4)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}
@@ -272,9 +273,28 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
 
 def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
     """Without an optimizer (set_monitor(..., optimizer=None), as kj600's hook_modules), a step ends inside
-    the root's forward pre-hook, where the backward hooks of the next step are attached (the root's own
-    too) and those of a step not collected removed. With step_interval 2 over 4 steps the run goes
-    through, and steps 0 and 2 (the root's and every cell's gradients too) equal numpy."""
+    the root's forward pre-hook, while MindSpore runs the root's pre-hooks. With step_interval 2 over 4
+    steps the run goes through, and steps 0 and 2 (the root's and every cell's gradients too) equal numpy."""
+    rows, reference = _run_without_optimizer(tmp_path, output_root, {"step_interval": 2})
+    assert set(rows) == {key for key in reference if key[1] in (0, 2)}
+    assert_statistics(rows, reference)
+
+
+def test_a_step_ended_by_forwards_detaches_every_hook_and_training_goes_on(tmp_path, output_root, caplog):
+    """collect_times 1 without an optimizer: every activation hook is detached inside the root's forward
+    pre-hook that ends step 0 (the root's own `input_grad` goes through the micro-step counter, so no
+    pre-hook of the root is removed while MindSpore runs them). Nothing is logged as failed, no hook is
+    left on any cell but the counter, and step 0 equals numpy."""
+    hooks_left = []
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        rows, reference = _run_without_optimizer(tmp_path, output_root, {"collect_times": 1}, hooks_left)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert hooks_left == [1]   # the root's micro-step counter
+    assert set(rows) == {key for key in reference if key[1] == 0}
+    assert_statistics(rows, reference)
+
+
+def _run_without_optimizer(tmp_path, output_root, options: dict, hooks_left: list = None):
     import json
 
     from activations_reference import train
@@ -284,15 +304,20 @@ def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
         def hook_modules(self, model, grad_acc_steps):
             self.set_monitor(model, grad_acc_steps, None)
 
+    def count_hooks(model):
+        if hooks_left is not None:
+            cells = [cell for _, cell in model.cells_and_names()]
+            hooks_left.append(sum(len(c._forward_hook) + len(c._forward_pre_hook) + len(c._backward_hook)
+                                  for c in cells))
+
     path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12,
-                                "step_interval": 2}))
-    monitor = train(lambda: WithoutOptimizer(str(path), params_have_main_grad=False), 4, optimizer_to_monitor=False)
+    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12, **options}))
+    models = []
+    monitor = train(lambda: WithoutOptimizer(str(path), params_have_main_grad=False), 4, optimizer_to_monitor=False,
+                    prepare=models.append)
+    count_hooks(models[0])
     monitor.close()
-    rows = rows_of(output_root)
-    reference = activation_rows(3)   # step 3's forward ends step 2 (the reference has the first three steps)
-    assert set(rows) == {key for key in reference if key[1] in (0, 2)}
-    assert_statistics(rows, reference)
+    return rows_of(output_root), activation_rows(3)   # step 3's forward ends step 2 (the reference: 3 steps)
 
 
 def test_rows_of_a_value_holding_several_tensors_are_numbered_by_position():

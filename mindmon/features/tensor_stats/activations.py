@@ -238,6 +238,7 @@ class ActivationHooks:
         self.micro_steps = micro_steps
         self.guard = guard
         self.handles: Dict[Tuple[str, str], object] = {}
+        self._root, self._root_input_hook = None, None   # the model, and its `input_grad` hook (`root_inputs`)
         self._uses: Dict[Tuple[str, str], Tuple[Tuple[str, str], ...]] = {}   # handle key: the keys it serves
         self._mismatched: List[Tuple[str, str]] = []
         # Whether a collected step had hook calls from cells in training mode / in eval mode: a step with
@@ -253,6 +254,7 @@ class ActivationHooks:
         """Hooks every monitored cell; returns how many (their names: `monitored`)."""
         self.monitored: List[str] = []
         self.row_names: Dict[str, str] = {}
+        self._root = model
         for name, cell in named_cells(model):
             plan = cell_plan(name, self.config)
             if not plan:
@@ -261,13 +263,21 @@ class ActivationHooks:
             self.monitored.append(name)
             forward = {k: s for k, s in plan.items() if k in FORWARD_KEYS}
             outputs = {k: s for k, s in plan.items() if k == "output_grad"}
-            if "input_grad" in plan:
+            if "input_grad" in plan and cell is model:   # through the micro-step counter: `root_inputs`
+                self._root_input_hook = self._input_hook(name, plan["input_grad"])
+            elif "input_grad" in plan:
                 self._hold((name, "input_grad"), ((name, "input_grad"),),
                            cell.register_forward_pre_hook(self._input_hook(name, plan["input_grad"])))
             if forward or outputs:
                 uses = ((name, "forward"),) * bool(forward) + ((name, "output_grad"),) * bool(outputs)
                 self._hold((name, "forward"), uses, cell.register_forward_hook(self._forward_hook(name, forward, outputs)))
         return len(self.monitored)
+
+    def root_inputs(self, inputs: tuple) -> Optional[tuple]:
+        """The root cell's inputs with views for its `input_grad` (see `_watched_inputs`), asked by the
+        micro-step counter's pre-hook; None: as they are."""
+        hook = self._root_input_hook
+        return hook(self._root, inputs) if hook is not None and self._root is not None else None
 
     def _hold(self, key: Tuple[str, str], uses: Tuple[Tuple[str, str], ...], handle) -> None:
         self.handles[key] = handle
@@ -390,6 +400,7 @@ class ActivationHooks:
             handle.remove()
         self.handles.clear()
         self._uses.clear()
+        self._root_input_hook = self._root = None
 
 
 class GradientRow:
@@ -420,13 +431,17 @@ def watch_gradient(tensor, hook) -> bool:
     return True
 
 
-def root_forward_counter(model, micro_steps: MicroSteps, on_new_forward: Optional[Callable] = None):
-    """The root cell's forward pre-hook that counts micro-steps (only forwards in training mode)."""
+def root_forward_counter(model, micro_steps: MicroSteps, on_new_forward: Optional[Callable] = None,
+                         inputs_for: Optional[Callable] = None):
+    """The root cell's forward pre-hook that counts micro-steps (only forwards in training mode);
+    `on_new_forward()` first (it may end the step before), then the inputs the model gets:
+    `inputs_for(inputs)`, None for the inputs as they are."""
     def hook(cell, inputs):
         if cell.training:
             if on_new_forward is not None:
                 on_new_forward()
             micro_steps.begin_forward()
+        return inputs_for(inputs) if inputs_for is not None else None
     return model.register_forward_pre_hook(hook)
 
 

@@ -158,7 +158,13 @@ class TensorStatsHooks:
         if self.at.optimizer is not None:
             self._handles += hook_optimizer_calls(self.at.optimizer, self._before_update, self._after_update)
         by_forwards = self._end_step_by_forwards if self.at.optimizer is None else None
-        self._handles.append(root_forward_counter(self.at.model, self.micro_steps, by_forwards))
+        self._handles.append(root_forward_counter(self.at.model, self.micro_steps, by_forwards, self._root_inputs))
+
+    def _root_inputs(self, inputs: tuple):
+        """The model's inputs as the activations' `input_grad` of the root cell hands them on (None: as they
+        are). The counter's pre-hook asks, not a pre-hook of the activations' own: a step can end in the
+        counter (no optimizer), and MindSpore fails if the root's pre-hooks change while it runs them."""
+        return self.activations.root_inputs(inputs) if self.activations is not None else None
 
     def _attach_capabilities(self, config: TensorStatsConfig) -> None:
         if config.print_struct:   # the structure only: what msprobe users run first, to write their targets
