@@ -189,11 +189,12 @@ def test_generate_xy_metrics_mid_step(tmp_path, output_root):
     monitor.close()
 
 
-def test_no_backward_hook_ever_and_parameter_hooks_only_on_collected_steps(tmp_path, output_root):
+def test_no_backward_hook_ever_and_cell_and_parameter_hooks_only_on_collected_steps(tmp_path, output_root):
     """MindSpore slows every step that has cell backward or parameter gradient hooks, even when they return
-    at once. Activation gradients come from tensor hooks registered in a collected forward, so no cell ever
-    has a backward hook; parameter hooks are attached for collected steps only. With step_interval 2, steps
-    0 and 2 are collected (and are right against numpy after the hooks came back)."""
+    at once, and a cell hook returning at once still costs its call. Activation gradients come from tensor
+    hooks registered in a collected forward, so no cell ever has a backward hook; the cells' forward hooks
+    and pre-hooks and the parameter hooks are attached for collected steps only. With step_interval 2,
+    steps 0 and 2 are collected (and are right against numpy after the hooks came back)."""
     from msprobe_reference import reference_run
 
     models, attached = [], []
@@ -208,11 +209,10 @@ def test_no_backward_hook_ever_and_parameter_hooks_only_on_collected_steps(tmp_p
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
     # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step: after step 0
-    # (step 1 next, not collected) no parameter hook; after step 1 (step 2 next) 4 parameters; after step 2
-    # the next step is not collected. The 4 cells' forward hooks and the 3 non-root cells' pre-hooks stay
-    # (they return at once on a step not collected), plus the root's pre-hook that counts micro-steps (and
-    # gives the root's inputs their views).
-    assert attached == [(0, 0, 4, 4), (0, 4, 4, 4), (0, 0, 4, 4)]
+    # (step 1 next, not collected) only the root's pre-hook that counts micro-steps (it stays for the run,
+    # and gives the root's inputs their views); after step 1 (step 2 next) 4 parameters, the 4 cells'
+    # forward hooks and the 3 non-root cells' pre-hooks; after step 2 the next step is not collected.
+    assert attached == [(0, 0, 0, 1), (0, 4, 4, 4), (0, 0, 0, 1)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}

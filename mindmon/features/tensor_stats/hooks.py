@@ -172,11 +172,11 @@ class TensorStatsHooks:
             self.struct.attach(self.at.model)
             return
         self.gradient_sums.per_micro_batch = config.monitor_mbs_grad
-        self._follow_collection()
         if config.collects_activations:
             self.activations = ActivationHooks(config, self._record_activations, lambda: self.collecting,
                                                self.micro_steps, self._guard)
             self.hooked_cells = self.activations.attach(self.at.model)
+        self._follow_collection()
         if config.stack_info:
             self.stacks = StackHooks()
             self.stacks.attach(self.at.model, lambda: self.collecting)
@@ -187,9 +187,10 @@ class TensorStatsHooks:
                                                                   self.at.grad_acc_steps)
 
     def _follow_collection(self) -> None:
-        """Between steps: the parameter gradient hooks are attached for a collected step only. MindSpore
-        slows every step that has hooks running in the backward pass, even when they return at once
-        (docs/performance.md); the activations' gradient hooks live on a collected forward's tensors."""
+        """Between steps: the parameter gradient hooks and the cells' activation hooks are attached for a
+        collected step only. MindSpore slows every step that has hooks running in the backward pass, even
+        when they return at once, and a cell hook that returns at once still costs its call
+        (docs/performance.md)."""
         wanted = self.running and self.collecting and self.config.wg_distribution
         if wanted and not self._gradient_handles:
             self._gradient_handles = [register_gradient_hook(self.at.parameters[index], self._gradient_hook(index, name))
@@ -200,6 +201,8 @@ class TensorStatsHooks:
                 handle.remove()
             self._gradient_handles = []
             self.gradient_sums.expect(0)
+        if self.activations is not None:
+            self.activations.follow(self.running and self.collecting)
 
     def detach_capabilities(self) -> None:
         for handle in self._capability_handles:
