@@ -75,7 +75,7 @@ def test_an_output_that_is_also_its_parents_has_one_gradient_hook_and_both_rows(
                         lambda tensor, hook: watched.append(hook) or register(tensor, hook))
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
     # per forward: 3 output tensors (fc1's, act's, fc2's = the root's) and a view of each cell's input
-    assert [hook.rows for hook in watched[:7]] == [[".input"], ["fc1.input"], ["fc1.output"], ["act.input"], ["act.output"],
+    assert [hook.__self__.rows for hook in watched[:7]] == [[".input"], ["fc1.input"], ["fc1.output"], ["act.input"], ["act.output"],
                            ["fc2.input"], ["fc2.output", ".output"]]
     rows = rows_of(output_root)
     reference = activation_rows(2)

@@ -382,7 +382,7 @@ class ActivationHooks:
             known[1].rows.append(row)
             return
         hook = GradientRow(self, [row], micro_step)
-        if watch_gradient(tensor, hook):
+        if watch_gradient(tensor, hook.on_gradient):
             self._watched[id(tensor)] = (weakref.ref(tensor), hook)
 
     def _watched_inputs(self, key: Tuple[str, str], values: CellValues, inputs: tuple) -> Optional[tuple]:
@@ -394,7 +394,7 @@ class ActivationHooks:
         micro_step, replaced = self.micro_steps.current, list(inputs)
         for row, place, tensor in rows:
             view = tensor.view(tensor.shape)
-            if watch_gradient(view, GradientRow(self, [row], micro_step)):
+            if watch_gradient(view, GradientRow(self, [row], micro_step).on_gradient):
                 replaced[place] = view
         return tuple(replaced)
 
@@ -425,16 +425,17 @@ class ActivationHooks:
 
 class GradientRow:
     """The gradient hook of one tensor of one forward: its rows (one per cell it is an output of) and
-    micro-step. An object of its own, where a closure is four (a function and three cells): a collected
-    step makes one per tensor, each alive until its backward, and what outlives the young generation
-    makes the cycle collector walk the whole heap sooner."""
+    micro-step. Its bound `on_gradient` is the hook (MindSpore 2.7 takes functions and methods only): two
+    objects, where a closure is four (a function and three cells); a collected step makes them per
+    tensor, each alive until its backward, and what outlives the young generation makes the cycle
+    collector walk the whole heap sooner."""
 
     __slots__ = ("hooks", "rows", "micro_step")
 
     def __init__(self, hooks: "ActivationHooks", rows: List[str], micro_step: int):
         self.hooks, self.rows, self.micro_step = hooks, rows, micro_step
 
-    def __call__(self, gradient) -> None:
+    def on_gradient(self, gradient) -> None:
         self.hooks.record_gradient(self.rows, gradient, self.micro_step)
 
 
