@@ -120,6 +120,14 @@ def is_float32(dtype) -> bool:
     return dtype is mindspore_types().float32 or dtype_name(dtype) == "Float32"
 
 
+_FLOATING = frozenset(("Float16", "Float32", "Float64", "BFloat16"))
+
+
+def is_floating(dtype) -> bool:
+    """Whether a MindSpore dtype is a floating type (what a gradient flows to), float32 by identity first."""
+    return dtype is mindspore_types().float32 or dtype_name(dtype) in _FLOATING
+
+
 class MindSporeTypes(NamedTuple):
     tensor: type
     float32: object

@@ -64,6 +64,26 @@ def test_every_cell_forward_and_backward_matches_numpy(tmp_path, output_root):
         assert file.readline().strip() == "vpp_stage,name,step,micro_step," + ",".join(OPS) + ",shape,dtype"
 
 
+def test_an_output_that_is_also_its_parents_has_one_gradient_hook_and_both_rows(tmp_path, output_root, monkeypatch):
+    """The root returns fc2's output tensor itself: one gradient hook on it serves both cells' rows (one
+    read of one gradient), and both rows hold numpy's gradient of that output."""
+    from mindmon.features.tensor_stats import activations
+
+    watched = []
+    register = activations.register_gradient_hook
+    monkeypatch.setattr(activations, "register_gradient_hook",
+                        lambda tensor, hook: watched.append(hook) or register(tensor, hook))
+    run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
+    # per forward: 3 output tensors (fc1's, act's, fc2's = the root's) and a view of each cell's input
+    assert [hook.__self__.rows for hook in watched[:7]] == [[".input"], ["fc1.input"], ["fc1.output"], ["act.input"], ["act.output"],
+                           ["fc2.input"], ["fc2.output", ".output"]]
+    rows = rows_of(output_root)
+    reference = activation_rows(2)
+    for micro_step in range(K):
+        for name in ("fc2.output", ".output"):
+            assert_statistics({key: rows[key] for key in [("actv_grad", 0, micro_step, name)]}, reference)
+
+
 def test_specs_pick_what_they_name(tmp_path, output_root):
     config = {"xy_distribution": True, "ops": ["norm", "max"], "ndigits": 12,
               "targets": {"fc2": {"input": "tuple[1]:0", "output_grad": "tuple[1]:0"},
@@ -169,10 +189,12 @@ def test_generate_xy_metrics_mid_step(tmp_path, output_root):
     monitor.close()
 
 
-def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
+def test_no_backward_hook_ever_and_cell_and_parameter_hooks_only_on_collected_steps(tmp_path, output_root):
     """MindSpore slows every step that has cell backward or parameter gradient hooks, even when they return
-    at once: they are attached for collected steps only. With step_interval 2, steps 0 and 2 are collected
-    (and are right against numpy after the hooks came back); between steps 0 and 1 there are none."""
+    at once, and a cell hook returning at once still costs its call. Activation gradients come from tensor
+    hooks registered in a collected forward, so no cell ever has a backward hook; the cells' forward hooks
+    and pre-hooks and the parameter hooks are attached for collected steps only. With step_interval 2,
+    steps 0 and 2 are collected (and are right against numpy after the hooks came back)."""
     from msprobe_reference import reference_run
 
     models, attached = [], []
@@ -181,14 +203,16 @@ def test_backward_hooks_only_on_collected_steps(tmp_path, output_root):
         cells = [cell for _, cell in models[0].cells_and_names()]
         attached.append((sum(len(cell._backward_hook) for cell in cells),
                          sum(len(param.hooks()) for param in models[0].trainable_params()),
-                         sum(len(cell._forward_hook) for cell in cells)))
+                         sum(len(cell._forward_hook) for cell in cells),
+                         sum(len(cell._forward_pre_hook) for cell in cells)))
 
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "wg_distribution": True, "ops": OPS, "ndigits": 12,
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
-    # (cell backward hooks, parameter hooks, forward hooks) after each step: after step 0 (step 1 next, not
-    # collected) no backward hook; after step 1 (step 2 next) 4 cells and 4 parameters. The forward hooks
-    # stay (they cost nothing measurable); after step 2 the next step is not collected.
-    assert attached == [(0, 0, 4), (4, 4, 4), (0, 0, 4)]
+    # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step: after step 0
+    # (step 1 next, not collected) only the root's pre-hook that counts micro-steps (it stays for the run,
+    # and gives the root's inputs their views); after step 1 (step 2 next) 4 parameters, the 4 cells'
+    # forward hooks and the 3 non-root cells' pre-hooks; after step 2 the next step is not collected.
+    assert attached == [(0, 0, 0, 1), (0, 4, 4, 4), (0, 0, 0, 1)]
     rows = rows_of(output_root)
     assert {key[1] for key in rows} == {0, 2}
     reference = {**activation_rows(3), **reference_run(steps=3)}
@@ -249,9 +273,28 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
 
 def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
     """Without an optimizer (set_monitor(..., optimizer=None), as kj600's hook_modules), a step ends inside
-    the root's forward pre-hook, where the backward hooks of the next step are attached (the root's own
-    too) and those of a step not collected removed. With step_interval 2 over 4 steps the run goes
-    through, and steps 0 and 2 (the root's and every cell's gradients too) equal numpy."""
+    the root's forward pre-hook, while MindSpore runs the root's pre-hooks. With step_interval 2 over 4
+    steps the run goes through, and steps 0 and 2 (the root's and every cell's gradients too) equal numpy."""
+    rows, reference = _run_without_optimizer(tmp_path, output_root, {"step_interval": 2})
+    assert set(rows) == {key for key in reference if key[1] in (0, 2)}
+    assert_statistics(rows, reference)
+
+
+def test_a_step_ended_by_forwards_detaches_every_hook_and_training_goes_on(tmp_path, output_root, caplog):
+    """collect_times 1 without an optimizer: every activation hook is detached inside the root's forward
+    pre-hook that ends step 0 (the root's own `input_grad` goes through the micro-step counter, so no
+    pre-hook of the root is removed while MindSpore runs them). Nothing is logged as failed, no hook is
+    left on any cell but the counter, and step 0 equals numpy."""
+    hooks_left = []
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        rows, reference = _run_without_optimizer(tmp_path, output_root, {"collect_times": 1}, hooks_left)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert hooks_left == [1]   # the root's micro-step counter
+    assert set(rows) == {key for key in reference if key[1] == 0}
+    assert_statistics(rows, reference)
+
+
+def _run_without_optimizer(tmp_path, output_root, options: dict, hooks_left: list = None):
     import json
 
     from activations_reference import train
@@ -261,15 +304,20 @@ def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
         def hook_modules(self, model, grad_acc_steps):
             self.set_monitor(model, grad_acc_steps, None)
 
+    def count_hooks(model):
+        if hooks_left is not None:
+            cells = [cell for _, cell in model.cells_and_names()]
+            hooks_left.append(sum(len(c._forward_hook) + len(c._forward_pre_hook) + len(c._backward_hook)
+                                  for c in cells))
+
     path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12,
-                                "step_interval": 2}))
-    monitor = train(lambda: WithoutOptimizer(str(path), params_have_main_grad=False), 4, optimizer_to_monitor=False)
+    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12, **options}))
+    models = []
+    monitor = train(lambda: WithoutOptimizer(str(path), params_have_main_grad=False), 4, optimizer_to_monitor=False,
+                    prepare=models.append)
+    count_hooks(models[0])
     monitor.close()
-    rows = rows_of(output_root)
-    reference = activation_rows(3)   # step 3's forward ends step 2 (the reference has the first three steps)
-    assert set(rows) == {key for key in reference if key[1] in (0, 2)}
-    assert_statistics(rows, reference)
+    return rows_of(output_root), activation_rows(3)   # step 3's forward ends step 2 (the reference: 3 steps)
 
 
 def test_rows_of_a_value_holding_several_tensors_are_numbered_by_position():

@@ -135,3 +135,14 @@ def _check_float32_memory(float32_memory):
         # (MindSpore 2.7 gives a tensor made from numpy data pointer 0 until an op has run on it)
         assert address == (tensor._data_ptr() if addressed else 0)
         assert float32_memory(tensor, False) == (tensor.shape, tensor.dtype, 0)
+
+
+def test_is_floating_names_the_types_a_gradient_flows_to():
+    import mindspore as ms
+
+    from mindmon.compat import is_floating
+
+    floating = [ms.float16, ms.float32, ms.float64, ms.bfloat16]
+    others = [ms.int8, ms.int32, ms.int64, ms.uint8, ms.bool_, ms.complex64]
+    assert [is_floating(d) for d in floating + others] == [True] * len(floating) + [False] * len(others)
+    assert all(is_floating(d) == ms.Tensor([1], d).is_floating_point() for d in floating + others[:-1])

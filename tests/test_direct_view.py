@@ -15,13 +15,17 @@ def test_views_equal_asnumpy_and_views_are_taken_where_safe():
     cases = {
         "contiguous": (base, True),
         "offset rows (narrow on dim 0, contiguous)": (mint.narrow(base, 0, 1, 1), True),
-        "strided columns (narrow on the last dim)": (mint.narrow(base, 2, 1, 2), False),
+        "strided columns (narrow on the last dim)": (mint.narrow(base, 2, 1, 2), True),
+        "a split's middle part (rows of 4 of 12, offset 4)": (mint.split(base.reshape(2, 12), 4, dim=-1)[1], True),
+        "transposed": (mint.transpose(base, 0, 2), True),
         "int32": (ms.Tensor(np.array([3, -1, 4], np.int32)), True),
         "float16": (ms.Tensor(np.array([0.5, -2.0], np.float16)), True),
         "bool": (ms.Tensor(np.array([True, False, True])), True),
         "0-dim": (ms.Tensor(np.float32(2.5)), True),
         "empty": (ms.Tensor(np.zeros((0, 3), np.float32)), True),
     }
+    # the last three are strided views of `base`'s memory (what makes them a case), read through copies
+    assert [label for label, (tensor, _) in cases.items() if not tensor.is_contiguous()] == list(cases)[2:5]
     for label, (tensor, direct) in cases.items():
         view = direct_view(tensor, str(tensor.dtype))
         assert (view is not None) == direct, label
@@ -194,3 +198,32 @@ def test_tensors_not_initialised_yet_are_read_through_asnumpy():
     values = stats.results()[0].values
     assert np.allclose(values[0], [-2.5, -2.5, -2.5, math.sqrt(15 * 2.5 ** 2)])
     assert np.allclose(values[1], [0.75, 0.75, 0.75, math.sqrt(4 * 0.75 ** 2)])
+
+
+def test_strided_tensors_statistics_are_their_elements_statistics(monkeypatch):
+    """The parts of a split (strided views of one tensor's memory: runs of the last dimension), a transposed
+    view (no equal runs: copied first) and a part holding NaN (numpy's rules), through the statistics a hook
+    takes, against float64 numpy of each part's own elements (asnumpy: an independent read)."""
+    ops = ("min", "max", "mean", "norm", "zeros", "nans")
+    base = ms.Tensor(np.random.default_rng(3).standard_normal((2, 64, 3 * 96)).astype(np.float32))
+    holed = base.asnumpy().copy()
+    holed[1, 5, 100] = np.nan
+    parts = list(mint.split(base, 96, dim=-1)) + [mint.transpose(base, 1, 2),
+                                                 mint.split(ms.Tensor(holed), 96, dim=-1)[1]]
+    assert not any(part.is_contiguous() for part in parts)
+    stats = TensorStats(ops, 1e-8, on_host=True)
+    calls = []   # asnumpy() of a strided tensor makes a contiguous copy in MindSpore: none is asked for
+    monkeypatch.setattr(ms.Tensor, "asnumpy", lambda self, real=ms.Tensor.asnumpy: calls.append(1) or real(self))
+    stats.add("actv", [(f"part_{k}", part) for k, part in enumerate(parts)])
+    assert calls == []
+    monkeypatch.undo()
+    (gathered,) = stats.results()
+    for k, part in enumerate(parts):
+        flat = part.asnumpy().reshape(-1).astype(np.float64)
+        nan = bool(np.isnan(flat).any())
+        want = [np.nan if nan else flat.min(), np.nan if nan else flat.max(), np.nan if nan else flat.mean(),
+                np.nan if nan else np.sqrt(np.dot(flat, flat)), np.count_nonzero(np.abs(flat) < 1e-8) / flat.size,
+                float(np.isnan(flat).sum())]
+        assert np.allclose(gathered.values[k], want, rtol=1e-6, atol=1e-7, equal_nan=True), (k, gathered.values[k], want)
+        assert gathered.layouts[k] == (tuple(part.shape), "Float32")
+    assert gathered.values[4][5] == 1.0

@@ -471,3 +471,31 @@ def test_float32_sums_take_float32_values_as_they_are():
     assert repr(float(as_it_is(np.float32(0), np.float32(-0.0)))) == "-0.0"
     result = widened(0.0, np.float32(-0.0))
     assert repr(result) == "0.0" and isinstance(result, float)
+
+
+def test_the_runs_form_reads_strided_memory_as_float64_numpy_gives():
+    """`row_reductions_at` over slices of a wider matrix's last dimension (as a fused projection's output is
+    split): each slice's statistics against float64 numpy of the slice's own elements, so a value read from
+    a neighbouring column, or one run too many, would show; min/max exact, -0.0 as 0.0; small slices summed
+    wide, large ones in float32; a slice holding NaN or inf is left to the caller."""
+    rng = np.random.default_rng(5)
+    wide = rng.standard_normal((300, 3 * 64)).astype(np.float32)
+    wide[7, 64 + 5] = -0.0
+    wide[0, 64] = -50.0                     # the middle slice's minimum, in its first run's first element
+    wide[299, 191] = 60.0                   # the last slice's maximum, in its last run's last element
+    holed = rng.standard_normal((4, 30)).astype(np.float32)
+    holed[2, 11] = np.nan
+    slices = [wide[:, 64:128], wide[:, 128:], wide[:10, :3], holed[:, 10:20]]
+    table = np.array([(k, s.ctypes.data, s.shape[0], s.shape[1], s.strides[0] // 4) for k, s in enumerate(slices)],
+                     dtype=np.int64).reshape(-1)
+    rows, redo = one_pass.row_reductions_at(table, 0.5, 4096,
+                                            np.array([one_pass.ROW_STATISTICS.index(op) for op in ALL]), 4)
+    assert redo.tolist() == [3] and np.isnan(rows[3]).all()
+    for k, piece in enumerate(slices[:3]):
+        want = reference(np.ascontiguousarray(piece), 0.5)
+        got = dict(zip(ALL, rows[k].tolist()))
+        assert [got[op] for op in ("min", "max", "zeros", "nans")] == [want[op] for op in ("min", "max", "zeros", "nans")]
+        scale = float(np.abs(piece.astype(np.float64)).mean())
+        assert abs(got["mean"] - want["mean"]) <= 1e-6 * scale, (k, got, want)
+        assert math.isclose(got["norm"], want["norm"], rel_tol=1e-6), (k, got, want)
+    assert rows[0][0] == -50.0 and rows[1][1] == 60.0

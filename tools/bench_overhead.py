@@ -21,7 +21,7 @@ Configurations:
     tensor_stats        msprobe's TrainerMon statistics (six ops) of every parameter, gradient and Adam moment
     activations         msprobe's TrainerMon statistics of every cell's inputs and outputs and their gradients
     activations_idle    the same TrainerMon, but no step collected: what a step it skips costs (forward
-                        hooks stay; backward hooks are attached only for collected steps)
+                        hooks and pre-hooks stay; gradient hooks exist only on a collected forward's tensors)
     l2_features         attention entropy / softmax max and stable rank of every attention and linear cell
 The scaling run repeats off / train_state at several layer counts. With tensor_stats in the run, the
 table also gives its memory floor: what numpy takes for the memory work those statistics need (the sum
@@ -314,9 +314,12 @@ class HookTimer:
         this bench process times every one it makes (only the activations configuration makes any)."""
         from mindmon.features.tensor_stats.activations import ActivationHooks
 
-        for factory in ("_forward_hook", "_backward_hook"):
+        for factory in ("_forward_hook", "_input_hook"):
             make = getattr(ActivationHooks, factory)
             setattr(ActivationHooks, factory, lambda hooks, *args, make=make: self.wrap(make(hooks, *args), True))
+        # The gradient hooks are objects made per tensor per forward: the method they call is timed, so
+        # the bench adds no object of its own per tensor (that would change the cycle collector's work).
+        ActivationHooks.record_gradient = self.wrap(ActivationHooks.record_gradient, True)
 
 
 ALL_OPS = ["min", "max", "mean", "norm", "zeros", "nans"]

@@ -229,6 +229,60 @@ def float32_at_loop(table, eps, small_size, codes, n_rows):
 float32_at = _jit(float32_at_loop)
 
 
+def _rows_statistics_at(address, rows, row_length, row_stride, eps, small_size, codes, row):
+    """`_statistics_at` of a strided tensor whose elements lie in `rows` runs of `row_length` values,
+    `row_stride` values apart from one start to the next (a slice of a wider tensor's last dimension): each
+    run read where it lies, their sums added in float64, their extremes combined."""
+    total = squares = 0.0
+    small = 0
+    minimum, maximum = np.inf, -np.inf
+    for r in range(rows):
+        start = address + 4 * r * row_stride
+        values = numba.carray(_FLOAT32(start), row_length)
+        signed, unsigned = numba.carray(_INT32(start), row_length), numba.carray(_UINT32(start), row_length)
+        if rows * row_length <= small_size:
+            found = array_loop(values, signed, unsigned, eps, 0.0)
+        else:
+            found = array_loop(values, signed, unsigned, eps, np.float32(0))
+        total += found[0]
+        squares += found[1]
+        small += found[2]
+        minimum = min(minimum, found[3])
+        maximum = max(maximum, found[4])
+    return statistics_row((total, squares, small, minimum, maximum), rows * row_length, codes, row, False)
+
+
+def _python_rows_statistics_at(address, rows, row_length, row_stride, eps, small_size, codes, row):
+    """`_rows_statistics_at` as plain Python (NUMBA_DISABLE_JIT=1)."""
+    values = np.lib.stride_tricks.as_strided(_python_float32s(address, (rows - 1) * row_stride + row_length),
+                                             (rows, row_length), (4 * row_stride, 4)).reshape(-1)
+    zero = np.float64(0) if values.size <= small_size else np.float32(0)
+    return statistics_row_loop(one_pass_loop(values, values.view(np.int32), values.view(np.uint32), eps, zero),
+                               values.size, codes, row, False)
+
+
+rows_statistics_at = _python_rows_statistics_at if numba.config.DISABLE_JIT else _jit(_rows_statistics_at)
+
+
+def rows_at_loop(table, eps, small_size, codes, n_rows):
+    """`one_pass.row_reductions_at`: the rows of a table of (row, address, rows, row length, row stride); the
+    table positions of the tensors holding NaN or inf."""
+    eps = np.float32(eps)
+    rows = np.full((n_rows, codes.size), np.nan)
+    redo = np.empty(table.size // 5, np.int64)
+    count = 0
+    for k in range(table.size // 5):
+        row, address, runs, length, stride = table[5 * k], table[5 * k + 1], table[5 * k + 2], table[5 * k + 3], \
+            table[5 * k + 4]
+        if not rows_statistics_at(address, runs, length, stride, eps, small_size, codes, rows[row]):
+            redo[count] = k
+            count += 1
+    return rows, redo[:count]
+
+
+rows_at = _jit(rows_at_loop)
+
+
 _copy_or_add_loop = _jit(copy_or_add, fastmath=True)
 
 

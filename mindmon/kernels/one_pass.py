@@ -57,6 +57,15 @@ def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndar
     return _compiled().float32_at(table, float(eps), small_size, codes, n_rows)   # a float: typed at once
 
 
+def row_reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n_rows: int
+                      ) -> Tuple[np.ndarray, np.ndarray]:
+    """`reductions_at` for strided float32 tensors whose elements lie in equal runs (a slice of a wider
+    tensor's last dimension, as a fused projection's output is split): `table` is int64 [5 * tensors],
+    (row, address, runs, run length, stride between run starts in elements) after one another. Each run is
+    read where it lies: no copy of the tensor is made."""
+    return _compiled().rows_at(table, float(eps), small_size, codes, n_rows)
+
+
 def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:
     """eps in the data's precision (what |x| < eps compares), and the zero the block sums start from."""
     scalars = _SCALARS.get((dtype, eps))
@@ -78,6 +87,7 @@ def prepare() -> None:
     for wide in (False, True):
         reductions(one, 1e-8, wide)
     reductions_at(np.array([0, one.ctypes.data, 1, 0], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), 1)
+    row_reductions_at(np.array([0, one.ctypes.data, 1, 1, 1], dtype=np.int64), 1e-8, 1, np.zeros(1, np.int64), 1)
     add_and_squares(one.copy(), one, True)
     adds_at(np.array([one.copy().ctypes.data, one.ctypes.data, 1, 1, 0], dtype=np.int64), 1e-8, 1,
             np.zeros(1, np.int64), 1)

@@ -10,6 +10,7 @@ Example:
     norms.results()[("accumulated", 0)]  # np.ndarray, one float64 per tensor
 """
 import ctypes
+import math
 from typing import Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,8 +35,8 @@ SMALL = 1 << 12
 
 
 def host_array(tensor, direct: bool = False, dtype: Optional[str] = None) -> np.ndarray:
-    """The tensor's memory as a flat numpy array: a view on CPU (bfloat16 goes through a float32 copy,
-    numpy has no bfloat16). A numpy array (a view the training step already holds) is taken as it is.
+    """The tensor's elements as a flat numpy array, to read: on CPU a view of a contiguous tensor's memory
+    (a strided tensor's elements are copied; bfloat16 goes through a float32 copy, numpy has no bfloat16). A numpy array (a view the training step already holds) is taken as it is.
     `direct` (see `direct_views_allowed`): build the view from the data pointer where that is safe.
     `dtype`: the tensor's dtype name (`dtype_name`), when the caller has read it already."""
     if isinstance(tensor, np.ndarray):
@@ -114,15 +115,33 @@ def float32_memory(tensor, direct: bool) -> Tuple[object, object, int]:
     return shape, dtype, 0
 
 
+def float32_runs(tensor) -> Optional[Tuple[int, int, int, int]]:
+    """(address, runs, run length, stride between run starts) of a strided float32 CPU tensor whose elements
+    lie in equal runs: its last dimension contiguous, the ones before it one stride apart (a slice of a
+    wider tensor's last dimension); None for any other layout, or one with no memory. Only where
+    `direct_views_allowed()`, for a tensor `float32_memory` gave no address."""
+    if not hasattr(tensor, "_data_ptr"):
+        return None
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if len(shape) < 2 or strides[-1] != 1 or any(strides[i] != strides[i + 1] * shape[i + 1]
+                                                 for i in range(len(shape) - 2)):
+        return None
+    runs, length = math.prod(shape[:-1]), shape[-1]
+    address = tensor._data_ptr() if runs and length else 0
+    return (address, runs, length, strides[-2]) if address else None
+
+
 def direct_view(tensor, name: str):
-    """A flat numpy view of a CPU tensor's memory at its data pointer, or None where `asnumpy()` is needed
-    (non-contiguous views, lazily initialised Parameters, other dtypes). `name`: the tensor's dtype as
-    `dtype_name` gives it. Why: `asnumpy()` builds its array through a PEP 3118 buffer whose format
-    string numpy parses in Python, 40-100 us per call, which for activations (thousands of tensors per
-    step) was a large share of the monitor's time; this view costs a few microseconds (a ctypes buffer at
-    the address: half the time of numpy's array interface)."""
+    """A flat numpy array of a CPU tensor's elements read at its data pointer, or None where `asnumpy()` is
+    needed (lazily initialised Parameters, other dtypes, negative strides). `name`: the tensor's dtype as
+    `dtype_name` gives it. A contiguous tensor gives a view of its memory; a strided one (a slice of a fused
+    projection's output, a transpose) a copy in its elements' order, made by numpy from a strided view.
+    Why: `asnumpy()` builds its array through a PEP 3118 buffer whose format string numpy parses in Python,
+    40-100 us per call, and of a strided tensor it first makes a contiguous copy in MindSpore (0.3-0.4 ms
+    for 64K float32 elements here, 15% of the time in the activation hooks); this costs a few
+    microseconds (a ctypes buffer at the address: half the time of numpy's array interface)."""
     dtype = _DTYPES.get(name)
-    if dtype is None or not addressable(tensor):
+    if dtype is None or not hasattr(tensor, "_data_ptr"):
         return None
     size = int(tensor.size)
     if not size:
@@ -130,8 +149,21 @@ def direct_view(tensor, name: str):
     pointer = tensor._data_ptr()
     if not pointer:   # MindSpore 2.7: 0 for a tensor built from numpy whose device address is not set yet
         return None
+    if tensor.is_contiguous():
+        return _array_at(pointer, size, dtype, tensor)
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if min(strides) < 0:
+        return None
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(shape, strides))   # elements from the first to the last
+    strided = np.lib.stride_tricks.as_strided(_array_at(pointer, extent, dtype, tensor), shape,
+                                              [stride * dtype.itemsize for stride in strides], writeable=False)
+    return strided.reshape(-1)   # a copy: the elements in order
+
+
+def _array_at(pointer: int, size: int, dtype: np.dtype, tensor) -> np.ndarray:
+    """`size` elements at `pointer` as a numpy array that holds `tensor` (its memory is not freed under it)."""
     memory = (ctypes.c_char * (size * dtype.itemsize)).from_address(pointer)
-    memory.owner = tensor   # the view holds `memory`, which holds the tensor: its memory is not freed under it
+    memory.owner = tensor
     return np.frombuffer(memory, dtype)
 
 

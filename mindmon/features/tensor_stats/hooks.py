@@ -158,7 +158,13 @@ class TensorStatsHooks:
         if self.at.optimizer is not None:
             self._handles += hook_optimizer_calls(self.at.optimizer, self._before_update, self._after_update)
         by_forwards = self._end_step_by_forwards if self.at.optimizer is None else None
-        self._handles.append(root_forward_counter(self.at.model, self.micro_steps, by_forwards))
+        self._handles.append(root_forward_counter(self.at.model, self.micro_steps, by_forwards, self._root_inputs))
+
+    def _root_inputs(self, inputs: tuple):
+        """The model's inputs as the activations' `input_grad` of the root cell hands them on (None: as they
+        are). The counter's pre-hook asks, not a pre-hook of the activations' own: a step can end in the
+        counter (no optimizer), and MindSpore fails if the root's pre-hooks change while it runs them."""
+        return self.activations.root_inputs(inputs) if self.activations is not None else None
 
     def _attach_capabilities(self, config: TensorStatsConfig) -> None:
         if config.print_struct:   # the structure only: what msprobe users run first, to write their targets
@@ -166,11 +172,11 @@ class TensorStatsHooks:
             self.struct.attach(self.at.model)
             return
         self.gradient_sums.per_micro_batch = config.monitor_mbs_grad
-        self._follow_collection()
         if config.collects_activations:
             self.activations = ActivationHooks(config, self._record_activations, lambda: self.collecting,
                                                self.micro_steps, self._guard)
             self.hooked_cells = self.activations.attach(self.at.model)
+        self._follow_collection()
         if config.stack_info:
             self.stacks = StackHooks()
             self.stacks.attach(self.at.model, lambda: self.collecting)
@@ -181,9 +187,10 @@ class TensorStatsHooks:
                                                                   self.at.grad_acc_steps)
 
     def _follow_collection(self) -> None:
-        """Between steps: the hooks that run in the backward pass (parameter gradients, cells' backward)
-        are attached for a collected step only. MindSpore slows every step that has them, even when they
-        return at once (docs/performance.md)."""
+        """Between steps: the parameter gradient hooks and the cells' activation hooks are attached for a
+        collected step only. MindSpore slows every step that has hooks running in the backward pass, even
+        when they return at once, and a cell hook that returns at once still costs its call
+        (docs/performance.md)."""
         wanted = self.running and self.collecting and self.config.wg_distribution
         if wanted and not self._gradient_handles:
             self._gradient_handles = [register_gradient_hook(self.at.parameters[index], self._gradient_hook(index, name))
@@ -195,7 +202,7 @@ class TensorStatsHooks:
             self._gradient_handles = []
             self.gradient_sums.expect(0)
         if self.activations is not None:
-            self.activations.follow_collection()
+            self.activations.follow(self.running and self.collecting)
 
     def detach_capabilities(self) -> None:
         for handle in self._capability_handles:
@@ -393,16 +400,18 @@ class TensorStatsHooks:
 
     # --- failures -------------------------------------------------------------------------------------
 
-    def _guard(self, function, *args) -> None:
-        """A hook that fails switches its monitor off by the group's one policy (logged once, training goes
-        on, what was written stays); the hooks stop collecting now and are detached at the step's end."""
+    def _guard(self, function, *args):
+        """`function(*args)`, or None if it fails: a hook that fails switches its monitor off by the group's
+        one policy (logged once, training goes on, what was written stays); the hooks stop collecting now
+        and are detached at the step's end."""
         try:
-            function(*args)
+            return function(*args)
         except Exception as error:  # noqa: BLE001 - the training must not die of its monitor
             self.collecting = self.running = False
             self.failed = True
             self.monitor.reset()
             self.recorder.switch_off(self.monitor, error)
+            return None
 
     def _warn_once(self, key, message: str, *args) -> None:
         if key not in self._warned:
