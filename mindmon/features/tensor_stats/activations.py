@@ -326,7 +326,7 @@ class ActivationHooks:
         def hook(cell, inputs, output):
             if self.collecting() and self._in_training(cell):
                 if values is not None and values_key not in self._mismatched:
-                    rows = self.guard(self._pick, values_key, values, (inputs, output))
+                    rows = self.guard(self._pick, values_key, values.pick, (inputs, output))
                     if rows:
                         self.guard(self.record, ACTV, rows, self.micro_steps.current)
                 if output_values is not None and outputs_key not in self._mismatched:
@@ -343,16 +343,11 @@ class ActivationHooks:
             return None
         return hook
 
-    def _pick(self, key: Tuple[str, str], values: CellValues, arguments: tuple):
-        """The (row, tensor) pairs `values` picks from a hook's arguments; None where a spec does not fit."""
-        picked = self._picked(key, values, arguments)
-        return None if picked is None else [(row, tensor) for row, _, tensor in picked]
-
-    def _picked(self, key: Tuple[str, str], values: CellValues, arguments: tuple):
-        """`values.picked(arguments)`; None (said once, the key not collected again) where its spec does not
-        fit."""
+    def _pick(self, key: Tuple[str, str], take: Callable, arguments: tuple):
+        """`take(arguments)` (a `CellValues`' `pick` or `picked`); None (said once, the key not collected
+        again) where its spec does not fit."""
         try:
-            return values.picked(arguments)
+            return take(arguments)
         except SpecMismatch as mismatch:
             self._mismatched.append(key)
             value_key, spec, value = mismatch.args
@@ -370,7 +365,7 @@ class ActivationHooks:
             self._watched.clear()
             self._watched_step = micro_step
         outputs = output if isinstance(output, (tuple, list)) else (output,)
-        for row, tensor in self._pick(key, values, (outputs,)) or ():
+        for row, tensor in self._pick(key, values.pick, (outputs,)) or ():
             self._watch_output(row, tensor, micro_step)
 
     def _watch_output(self, row: str, tensor, micro_step: int) -> None:
@@ -388,7 +383,7 @@ class ActivationHooks:
     def _watched_inputs(self, key: Tuple[str, str], values: CellValues, inputs: tuple) -> Optional[tuple]:
         """The cell's inputs with each one the spec picks replaced by a view that has a gradient hook; None
         (the inputs as they are) where none needs a gradient."""
-        rows = self._picked(key, values, (inputs,))
+        rows = self._pick(key, values.picked, (inputs,))
         if not rows:
             return None
         micro_step, replaced = self.micro_steps.current, list(inputs)
