@@ -19,6 +19,8 @@ from typing import Dict, NamedTuple, Tuple
 
 import numpy as np
 
+from mindmon.kernels.split import split_call
+
 
 class Reductions(NamedTuple):
     total: float        # sum; not finite when the array holds NaN or +-inf, or the float32 blocks overflowed
@@ -54,7 +56,8 @@ def reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndar
     `row` holds the statistics `codes` name (`ROW_STATISTICS`), unless the tensor holds NaN or inf; and the
     table positions of those, for the caller to take with NaN rules. Rows no tensor is given for are NaN.
     (Allocated in the compiled call: in a hook's context, each numpy call from Python costs microseconds.)"""
-    return _compiled().float32_at(table, float(eps), small_size, codes, n_rows)   # a float: typed at once
+    return split_call(_compiled().float32_at, table, 4, table[2::4], 0, True,
+                      (float(eps), small_size, codes, n_rows))   # eps a float: typed at once
 
 
 def row_reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n_rows: int
@@ -63,7 +66,8 @@ def row_reductions_at(table: np.ndarray, eps: float, small_size: int, codes: np.
     tensor's last dimension, as a fused projection's output is split): `table` is int64 [5 * tensors],
     (row, address, runs, run length, stride between run starts in elements) after one another. Each run is
     read where it lies: no copy of the tensor is made."""
-    return _compiled().rows_at(table, float(eps), small_size, codes, n_rows)
+    return split_call(_compiled().rows_at, table, 5, table[2::5] * table[3::5], 0, True,
+                      (float(eps), small_size, codes, n_rows))
 
 
 def _scalars(dtype: np.dtype, eps: float, wide: bool) -> Tuple[np.generic, np.generic]:
@@ -123,4 +127,4 @@ def adds_at(table: np.ndarray, eps: float, small_size: int, codes: np.ndarray, n
     were asked for), and the rows whose sums hold NaN or inf, left for the caller to take with NaN rules.
     One call for every gradient of a backward pass: a call per gradient from its hook cost several times
     its warm time (caches cold between MindSpore's kernels)."""
-    return _compiled().adds_at(table, float(eps), small_size, codes, n_rows)
+    return split_call(_compiled().adds_at, table, 5, table[2::5], 4, False, (float(eps), small_size, codes, n_rows))
