@@ -458,6 +458,10 @@ class Samples:
     times: List[List[StepTime]]
     rss_rise_kib: List[int]
     python_peak_kib: Optional[float] = None
+    # Whether its train step's buffer add takes norms (a group is attached): only then is that add's time
+    # over `off`'s mindmon's. Without a group the add is `off`'s own code, and the difference of the two
+    # medians only noise (the cost of mindmon evicting the add's memory from cache is in the wall ratio).
+    norms_in_add: bool = True
 
 
 def run_interleaved(configs: List[Configuration], rounds: int, steps_per_block: int, warmup: int,
@@ -468,7 +472,7 @@ def run_interleaved(configs: List[Configuration], rounds: int, steps_per_block: 
         config.enter()
         for _ in range(warmup):
             config.step()
-    samples = {c.name: Samples([], []) for c in configs}
+    samples = {c.name: Samples([], [], norms_in_add=c.group is not None) for c in configs}
     for r in range(rounds):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for config in order:
@@ -521,7 +525,7 @@ def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
             "round_ratio_min": min(per_round), "round_ratio_max": max(per_round),
             "median_cpu_s": _median(s.times, "cpu"),
             "cpu_ratio_to_off": _median(s.times, "cpu") / _median(base, "cpu"),
-            **_in_mindmon(s.times, base),
+            **_in_mindmon(s.times, base, s.norms_in_add),
             "collector_ms_per_step_mean": statistics.mean(t.collector for block in s.times for t in block) * 1e3,
             "peak_rss_rise_mib": (statistics.median(s.rss_rise_kib) / 1024) if s.rss_rise_kib else None,
             "python_peak_mib": s.python_peak_kib / 1024 if s.python_peak_kib is not None else None,
@@ -529,10 +533,10 @@ def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
     return rows
 
 
-def _in_mindmon(times: List[List[StepTime]], base: List[List[StepTime]]) -> dict:
-    """Time inside mindmon per step: its calls during the step and at step end, plus what the gradient
-    buffer's add takes over `off`'s (the norms taken while adding; never counted below zero)."""
-    buffer_extra = max(_median(times, "buffer_add") - _median(base, "buffer_add"), 0.0)
+def _in_mindmon(times: List[List[StepTime]], base: List[List[StepTime]], norms_in_add: bool) -> dict:
+    """Time inside mindmon per step: its calls during the step and at step end, plus, where the gradient
+    buffer's add takes norms (`norms_in_add`), what it takes over `off`'s (never counted below zero)."""
+    buffer_extra = max(_median(times, "buffer_add") - _median(base, "buffer_add"), 0.0) if norms_in_add else 0.0
     in_mindmon = _median(times, "in_mindmon") + buffer_extra
     return {"in_mindmon_ms_per_step": in_mindmon * 1e3, "in_step_ms_per_step": _median(times, "in_step") * 1e3,
             "buffer_add_extra_ms_per_step": buffer_extra * 1e3, "at_end_ms_per_step": _median(times, "at_end") * 1e3,
