@@ -64,6 +64,25 @@ def test_every_cell_forward_and_backward_matches_numpy(tmp_path, output_root):
         assert file.readline().strip() == "vpp_stage,name,step,micro_step," + ",".join(OPS) + ",shape,dtype"
 
 
+@pytest.mark.parametrize("waiting", [1, 300])
+def test_statistics_taken_while_tensors_wait_match_numpy(tmp_path, output_root, monkeypatch, waiting):
+    """Activations are held and their statistics taken when the held tensors reach `WAITING_ELEMENTS`: after
+    every tensor (1), or several times a pass, across forward and gradient batches (300 elements)."""
+    from mindmon.features.tensor_stats import monitor
+
+    taken = []
+    real = monitor.TensorStats._take_waiting
+    monkeypatch.setattr(monitor, "WAITING_ELEMENTS", waiting)
+    monkeypatch.setattr(monitor.TensorStats, "_take_waiting",
+                        lambda stats: taken.append(stats._waiting_elements) or real(stats))
+    run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
+    rows = rows_of(output_root)
+    reference = activation_rows(2)
+    assert set(rows) == set(reference)
+    assert_statistics(rows, reference)
+    assert sum(1 for held in taken if held >= waiting) >= 2 * K
+
+
 def test_an_output_that_is_also_its_parents_has_one_gradient_hook_and_both_rows(tmp_path, output_root, monkeypatch):
     """The root returns fc2's output tensor itself: one gradient hook on it serves both cells' rows (one
     read of one gradient), and both rows hold numpy's gradient of that output."""

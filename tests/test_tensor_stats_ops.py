@@ -177,3 +177,38 @@ def test_device_rows_reach_the_host_as_float64_arrays():
     wide = data.astype(np.float64)
     want = [[[wide.max(), wide.mean()], [(-wide).max(), (-wide).mean()]], [[wide[:2].max(), wide[:2].mean()]]]
     assert [values.tolist() for values in got] == want
+
+
+def test_held_tensors_keep_their_order_among_rows_taken_at_once_and_are_let_go():
+    """`add_later` holds tensors (float32, float16 and a strided slice among them) until `results()`; an
+    `add` to the same batch in between takes the held ones first, so each batch's rows stay in the order
+    they were added; after `results()` nothing is held."""
+    import gc
+    import weakref
+
+    import mindspore as ms
+
+    from mindmon.features.tensor_stats.monitor import TensorStats
+
+    ops = ("min", "max", "mean")
+    wide = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5
+    arrays = {"a": np.array([1.0, -2.0], np.float32), "b": np.array([0.5, 8.0, -1.0], np.float16),
+              "c": wide[:, 1:3], "d": np.array([3.0, -6.0], np.float32)}
+    tensors = {"a": ms.Tensor(arrays["a"]), "b": ms.Tensor(arrays["b"]), "c": ms.Tensor(wide)[:, 1:3],
+               "d": ms.Tensor(arrays["a"]) * 3}
+    stats = TensorStats(ops, EPS, on_host=True)
+    stats.add_later("actv", [("a", tensors["a"]), ("b", tensors["b"])], 0)
+    stats.add("actv", [("c", tensors["c"])], 0)
+    stats.add_later("actv", [("d", tensors["d"])], 0)
+    stats.add_later("actv_grad", [("c", tensors["c"])], 1)
+    held = weakref.ref(tensors.pop("d"))
+    gc.collect()
+    assert held() is not None
+    got = [(entry.point, entry.micro_step, entry.names, entry.values.tolist()) for entry in stats.results()]
+
+    def row(name):
+        flat = arrays[name].astype(np.float64).reshape(-1)
+        return [flat.min(), flat.max(), flat.mean()]
+    assert got == [("actv", 0, ["a", "b", "c", "d"], [row(n) for n in "abcd"]), ("actv_grad", 1, ["c"], [row("c")])]
+    gc.collect()
+    assert held() is None

@@ -93,14 +93,16 @@ def _root(squared: float, flat: np.ndarray) -> float:
     return math.sqrt(squared) if not math.isnan(squared) else float("nan")
 
 
-def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool
-                    ) -> Tuple[np.ndarray, List[tuple]]:
+def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool,
+                    memory: Optional[Sequence[tuple]] = None) -> Tuple[np.ndarray, List[tuple]]:
     """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
     gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
     costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
     where they lie: their data pointers go to the compiled code in one call, which writes their rows (0-dim
     ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that cost more than the loop over
-    a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one."""
+    a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one. `memory`:
+    each tensor's `float32_memory`, read already (in its hook: later, MindSpore's data pointer costs ten
+    times as much)."""
     located = []   # row, address, size, 0-dim of each tensor read where it lies, flat (one numpy call: the table)
     elsewhere = []   # rows numpy_stats takes
     repeated = []    # rows of a tensor given again right after itself (one gradient, several cells' rows)
@@ -112,7 +114,7 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
             layouts.append(layouts[-1])
             continue
         previous = tensor
-        shape, dtype, address = float32_memory(tensor, direct)
+        shape, dtype, address = float32_memory(tensor, direct) if memory is None else memory[index]
         layouts.append((shape, dtype))
         if address:
             size = math.prod(shape)
@@ -244,14 +246,23 @@ class ComputedStatistics(NamedTuple):
 class _Batch:
     """What the adds of one (point, micro-step, ops) gathered, in their order: a step's hook calls extend a
     few of these rather than each leaving objects of its own until the step's end (thousands a step, which
-    the cycle collector then walks again and again: full collections every few steps, 0.13 s each here)."""
+    the cycle collector then walks again and again: full collections every few steps, 0.13 s each here).
+    `waiting`: tensors added with `add_later` whose statistics are not taken yet (their names are the last
+    of `names`)."""
 
-    __slots__ = ("names", "layouts", "values")
+    __slots__ = ("names", "layouts", "values", "waiting", "memory")
 
     def __init__(self):
         self.names: List[str] = []
         self.layouts: List[tuple] = []
         self.values: List[object] = []   # float64 arrays [tensors, ops], or device tensors
+        self.waiting: List[object] = []
+        self.memory: List[tuple] = []   # each waiting tensor's `float32_memory`
+
+
+# Elements of the tensors `add_later` holds before it takes their statistics: 64 MiB of float32, enough
+# for one compiled call to split between threads (mindmon.kernels.split), little beside a step's activations.
+WAITING_ELEMENTS = 1 << 24
 
 
 class TensorStats:
@@ -263,6 +274,7 @@ class TensorStats:
         self.eps = eps
         self.on_host = on_host
         self._batches: Dict[Tuple[str, Optional[int], Tuple[str, ...]], _Batch] = {}
+        self._waiting_elements = 0
         self.direct_views = StepDirectViews()
 
     def add(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
@@ -275,19 +287,74 @@ class TensorStats:
             return
         names = [name for name, _ in named_tensors]
         tensors = [t for _, t in named_tensors]
-        if self.on_host:
-            values, layouts = host_statistics(tensors, self.ops, self.eps, self.direct_views.allowed())
-        else:
-            from mindspore import ops as msops
-
-            values = msops.stack([device_stats(t, self.ops, self.eps) for t in tensors])
-            layouts = [(t.shape, t.dtype) for t in tensors]
+        values, layouts = self._statistics(tensors)
         self._extend(point, micro_step, self.ops, names, layouts, values)
 
-    def _extend(self, point: str, micro_step: Optional[int], ops: Tuple[str, ...], names, layouts, values):
+    def add_later(self, point: str, named_tensors: Sequence[Tuple[str, object]], micro_step: Optional[int] = None):
+        """`add`, for tensors nothing changes in place before `results()` (a step's activations and their
+        gradients, not the parameters an optimizer updates): on the host they are held and their statistics
+        taken together, when they reach `WAITING_ELEMENTS` or at `results()`. A hook call then costs no
+        compiled call of its own, and one call over many tensors is split between threads."""
+        if not self.on_host:
+            return self.add(point, named_tensors, micro_step)
+        batch = self._batch(point, micro_step, self.ops)
+        direct, waiting = self.direct_views.allowed(), 0
+        for name, tensor in named_tensors:
+            memory = float32_memory(tensor, direct)
+            batch.names.append(name)
+            batch.waiting.append(tensor)
+            batch.memory.append(memory)
+            waiting += math.prod(memory[0])
+        self._waiting_elements += waiting
+        if self._waiting_elements >= WAITING_ELEMENTS:
+            self._take_waiting()
+
+    def _statistics(self, tensors: List[object]) -> Tuple[object, List[tuple]]:
+        """(values, layouts) of tensors, as `_Batch` keeps them."""
+        if self.on_host:
+            return host_statistics(tensors, self.ops, self.eps, self.direct_views.allowed())
+        from mindspore import ops as msops
+
+        return msops.stack([device_stats(t, self.ops, self.eps) for t in tensors]), [(t.shape, t.dtype) for t in tensors]
+
+    def _take_waiting(self) -> None:
+        """The statistics of every batch's waiting tensors, in one compiled call; the tensors let go."""
+        batches = [(key, batch) for key, batch in self._batches.items() if batch.waiting]
+        self._waiting_elements = 0
+        if not batches:
+            return
+        direct = self.direct_views.allowed()
+        ops_sets = {key[2] for key, _ in batches}
+        if len(ops_sets) > 1:   # ops changed while tensors waited: one call per ops
+            for key, batch in batches:
+                self._take(batch, *host_statistics(batch.waiting, key[2], self.eps, direct, batch.memory))
+            return
+        tensors = [tensor for _, batch in batches for tensor in batch.waiting]
+        memory = [entry for _, batch in batches for entry in batch.memory]
+        values, layouts = host_statistics(tensors, ops_sets.pop(), self.eps, direct, memory)
+        start = 0
+        for _, batch in batches:
+            end = start + len(batch.waiting)
+            self._take(batch, values[start:end], layouts[start:end])
+            start = end
+
+    @staticmethod
+    def _take(batch: "_Batch", values: np.ndarray, layouts: List[tuple]) -> None:
+        batch.layouts += layouts
+        batch.values.append(values)
+        batch.waiting.clear()
+        batch.memory.clear()
+
+    def _batch(self, point: str, micro_step: Optional[int], ops: Tuple[str, ...]) -> _Batch:
         batch = self._batches.get((point, micro_step, ops))
         if batch is None:
             batch = self._batches[(point, micro_step, ops)] = _Batch()
+        return batch
+
+    def _extend(self, point: str, micro_step: Optional[int], ops: Tuple[str, ...], names, layouts, values):
+        batch = self._batch(point, micro_step, ops)
+        if batch.waiting:   # rows stay in the order they were added
+            self._take_waiting()
         batch.names += names
         batch.layouts += layouts
         batch.values.append(values)
@@ -295,6 +362,7 @@ class TensorStats:
     def results(self) -> List[Gathered]:
         """Everything gathered, per (point, micro_step, ops) in the order first seen: statistics as float64
         arrays [tensors, ops], layouts as `layout` gives them; one host transfer at most."""
+        self._take_waiting()
         device = [v.reshape(-1) for batch in self._batches.values() for v in batch.values
                   if not isinstance(v, np.ndarray)]
         if device:
@@ -311,7 +379,14 @@ class TensorStats:
 
     def clear(self) -> None:
         self._batches.clear()
+        self._waiting_elements = 0
         self.direct_views.forget()
+
+
+# Points whose tensors nothing changes in place before the step's statistics are collected: a cell's
+# forward values and their gradients (MindSpore makes new tensors for both), not the parameters, gradients
+# and moments the optimizer updates.
+_UNCHANGED_TO_STEP_END = (ACTV, ACTV_GRAD)
 
 
 class TensorStatsMonitor(Monitor):
@@ -343,7 +418,8 @@ class TensorStatsMonitor(Monitor):
         self.stats.clear()
 
     def record(self, key: str, value=None, context: Optional[Dict] = None) -> None:
-        self.stats.add(key, value, (context or {}).get("micro_step"))
+        add = self.stats.add_later if key in _UNCHANGED_TO_STEP_END else self.stats.add
+        add(key, value, (context or {}).get("micro_step"))
 
     def collect(self, step: int) -> List[Record]:
         records = []
