@@ -93,9 +93,8 @@ def test_an_output_that_is_also_its_parents_has_one_gradient_hook_and_both_rows(
     monkeypatch.setattr(activations, "register_gradient_hook",
                         lambda tensor, hook: watched.append(hook) or register(tensor, hook))
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
-    # per forward: 3 output tensors (fc1's, act's, fc2's = the root's) and a view of each cell's input
-    assert [hook.__self__.rows for hook in watched[:7]] == [[".input"], ["fc1.input"], ["fc1.output"], ["act.input"], ["act.output"],
-                           ["fc2.input"], ["fc2.output", ".output"]]
+    # per forward: 3 output tensors (fc1's, act's, fc2's = the root's); the inputs go through markers
+    assert [hook.__self__.rows for hook in watched[:3]] == [["fc1.output"], ["act.output"], ["fc2.output", ".output"]]
     rows = rows_of(output_root)
     reference = activation_rows(2)
     for micro_step in range(K):
@@ -229,7 +228,7 @@ def test_no_backward_hook_ever_and_cell_and_parameter_hooks_only_on_collected_st
                    "step_interval": 2}, steps=3, between_steps=count_after, prepare=models.append)
     # (cell backward hooks, parameter hooks, forward hooks, forward pre-hooks) after each step: after step 0
     # (step 1 next, not collected) only the root's pre-hook that counts micro-steps (it stays for the run,
-    # and gives the root's inputs their views); after step 1 (step 2 next) 4 parameters, the 4 cells'
+    # and passes the root's inputs through their markers); after step 1 (step 2 next) 4 parameters, the 4 cells'
     # forward hooks and the 3 non-root cells' pre-hooks; after step 2 the next step is not collected.
     assert attached == [(0, 0, 0, 1), (0, 4, 4, 4), (0, 0, 0, 1)]
     rows = rows_of(output_root)

@@ -1,5 +1,6 @@
 """Activation statistics (`xy_distribution`): each monitored cell's forward inputs and outputs (`actv`) and
-their gradients (`actv_grad`), per micro-step, through Cell forward hooks and tensor gradient hooks.
+their gradients (`actv_grad`), per micro-step, through Cell forward hooks and pre-hooks, tensor gradient
+hooks and `HookBackward` markers.
 
 Which cells: `xy_distribution` on, then
   - a cell named in `targets` with specs collects what its specs name (`{}` = everything);
@@ -225,8 +226,8 @@ class ActivationHooks:
     from tensor gradient hooks instead, registered in a collected forward:
       - `output_grad`: on the cell's output tensors, in its forward hook (a tensor's gradient is the sum over
         its consumers, which is the gradient of the cell's output);
-      - `input_grad`: on views of the cell's inputs, made in its forward pre-hook and handed to the cell in
-        their place; a view's gradient is this cell's share only (an input that also feeds a residual
+      - `input_grad`: through `InputGradient` markers, put between each input and the cell in its forward
+        pre-hook: a marker's gradient is this cell's share only (an input that also feeds a residual
         connection gets the rest through the original tensor), as a cell backward hook gives it.
     A gradient row carries the micro-step of the forward that registered its hook."""
 
@@ -250,6 +251,8 @@ class ActivationHooks:
         # alive): a parent cell that returns its child's output gets a row on the child's hook.
         self._watched: Dict[int, Tuple[weakref.ref, "GradientRow"]] = {}
         self._watched_step: Optional[int] = None
+        # (cell's key, input's place, micro-step): its `InputGradient`, made once, used at every collected step
+        self._input_gradients: Dict[Tuple[Tuple[str, str], int, int], "InputGradient"] = {}
 
     def attach(self, model) -> int:
         """Plans the hooks of every monitored cell, attached while steps are collected (`follow`); returns
@@ -300,7 +303,7 @@ class ActivationHooks:
         self.handles.clear()
 
     def root_inputs(self, inputs: tuple) -> Optional[tuple]:
-        """The root cell's inputs with views for its `input_grad` (see `_watched_inputs`), asked by the
+        """The root cell's inputs through the markers of its `input_grad` (see `_watched_inputs`), asked by the
         micro-step counter's pre-hook; None: as they are."""
         hook = self._root_input_hook
         return hook(self._root, inputs) if hook is not None and self._root is not None else None
@@ -381,16 +384,19 @@ class ActivationHooks:
             self._watched[id(tensor)] = (weakref.ref(tensor), hook)
 
     def _watched_inputs(self, key: Tuple[str, str], values: CellValues, inputs: tuple) -> Optional[tuple]:
-        """The cell's inputs with each one the spec picks replaced by a view that has a gradient hook; None
-        (the inputs as they are) where none needs a gradient."""
+        """The cell's inputs with each floating one the spec picks passed through its `InputGradient`'s
+        marker; None (the inputs as they are) where the spec picks none."""
         rows = self._pick(key, values.picked, (inputs,))
         if not rows:
             return None
         micro_step, replaced = self.micro_steps.current, list(inputs)
+        core = mindspore_types().core
         for row, place, tensor in rows:
-            view = tensor.view(tensor.shape)
-            if watch_gradient(view, GradientRow(self, [row], micro_step).on_gradient):
-                replaced[place] = view
+            if is_floating(tensor._dtype if isinstance(tensor, core) else tensor.dtype):
+                marker = self._input_gradients.get((key, place, micro_step))
+                if marker is None:
+                    marker = self._input_gradients[(key, place, micro_step)] = InputGradient(self, row, micro_step)
+                replaced[place] = marker.mark(tensor)
         return tuple(replaced)
 
     def record_gradient(self, rows: List[str], gradient, micro_step: int) -> None:
@@ -413,6 +419,7 @@ class ActivationHooks:
 
     def detach(self) -> None:
         self._remove_hooks()
+        self._input_gradients.clear()
         self._planned.clear()
         self._uses.clear()
         self._root_input_hook = self._root = None
@@ -432,6 +439,27 @@ class GradientRow:
 
     def on_gradient(self, gradient) -> None:
         self.hooks.record_gradient(self.rows, gradient, self.micro_step)
+
+
+class InputGradient:
+    """The `input_grad` row of one input of one cell at one micro-step: `mark(tensor)` gives the cell the
+    input through MindSpore's `HookBackward` (an identity op whose backward hands the gradient to a Python
+    function), whose gradient is this cell's share. Made once per (cell, input, micro-step) and used at every
+    collected step. Why not a gradient hook on a view of the input: a view's backward copies its gradient
+    (measured on CPU, fed through 20 ops of 170K float32 elements: 194 us more per op, against 27 us for
+    this one; docs/performance.md), and it needed an object per input per step."""
+
+    __slots__ = ("hooks", "rows", "micro_step", "mark")
+
+    def __init__(self, hooks: "ActivationHooks", row: str, micro_step: int):
+        from mindspore import ops
+
+        self.hooks, self.rows, self.micro_step = hooks, [row], micro_step
+        self.mark = ops.HookBackward(self.on_gradients)
+
+    def on_gradients(self, gradients) -> None:
+        """The marker's backward: its one gradient, in a tuple."""
+        self.hooks.record_gradient(self.rows, gradients[0], self.micro_step)
 
 
 def watch_gradient(tensor, hook) -> bool:
