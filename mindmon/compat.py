@@ -15,6 +15,7 @@ Every shim mindmon needs lives here, each with the reason it exists (docs/mindnl
   `str(dtype)` becomes `mindspore.float32`: `named_cells`, `parameter_names`, `register_gradient_hook`
   and `dtype_name` work either way.
 """
+import functools
 import sys
 from typing import Iterator, NamedTuple, Tuple
 
@@ -93,6 +94,19 @@ def register_gradient_hook(tensor, hook):
     handle = _TensorHookHandle(tensor)
     handle.id = TensorPy.register_hook(tensor, hook)
     return handle
+
+
+@functools.lru_cache(maxsize=None)
+def builtin_hooks_accepted() -> bool:
+    """Whether `Tensor.register_hook` takes a built-in callable (a list's `append`): MindSpore 2.9 takes any
+    callable, 2.7 Python functions and methods only."""
+    try:
+        from mindspore._checkparam import check_hook_fn
+
+        check_hook_fn([].append)
+        return True
+    except (ImportError, TypeError):
+        return False
 
 
 def dtype_name(dtype) -> str:

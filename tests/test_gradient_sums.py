@@ -258,3 +258,84 @@ def test_statistics_are_taken_again_when_the_sum_changed_after_its_last_add_or_t
     stats.ops = ("norm", "max")                     # msprobe lets ops change while training
     np.testing.assert_allclose(sums.for_recording(stats).values[0],
                                np.array(_numpy_row(grads[0] + grads[1] + grads[2]))[[3, 1]], rtol=2e-6)
+
+
+def _numpy_sums(micro_batches):
+    total = {}
+    for grads in micro_batches:
+        for index, grad in grads.items():
+            total[index] = grad.asnumpy().copy() if index not in total else total[index] + grad.asnumpy()
+    return total
+
+
+def _gradients(rng, shapes, count):
+    return [{index: Tensor(rng.normal(size=shape).astype(np.float32)) for index, shape in enumerate(shapes)}
+            for _ in range(count)]
+
+
+def test_the_closer_is_learned_and_appends_sum_the_same(rng):
+    """The first micro-batch goes through Python hooks (`add`), in a backward pass's order (2, 1, 0): the
+    last parameter to give its gradient becomes the closer. Then the others are `append`s and the closer's
+    `close` adds them: the sums are numpy's, and the statistics of the finished sums are taken in that add."""
+    shapes = [(40, 3), (7,), (5, 5)]
+    micro = _gradients(rng, shapes, 3)
+    sums = _sums(direct=True)
+    stats = type("Stats", (), {"ops": ("min", "norm"), "eps": 1e-8})()
+    sums.expect(len(shapes), len(micro), stats)
+    for index in (2, 1, 0):
+        sums.add(index, f"p{index}", micro[0][index])
+    assert sums.closer == 0
+    hooks = {index: sums.append_hook(index, f"p{index}") for index in (1, 2)}
+    assert all(type(hook).__name__ == "builtin_function_or_method" for hook in hooks.values())
+    for grads in micro[1:]:
+        hooks[2](grads[2])
+        hooks[1](grads[1])
+        sums.close(0, grads[0])
+    assert sums.closer == 0   # the same order: still the closer
+    recorded = sums.for_recording(stats)
+    expected = _numpy_sums(micro)
+    found = dict(sums.named_sums())
+    for index in range(3):
+        np.testing.assert_array_equal(found[f"p{index}"].array, expected[index])
+        row = recorded.values[recorded.names.index(f"p{index}")]
+        np.testing.assert_allclose(row, [expected[index].min(), np.linalg.norm(expected[index].astype(np.float64))],
+                                   rtol=1e-6)
+    assert sums._finished.keys() == {0, 1, 2}   # taken in the add, not read again
+
+
+def test_a_gradient_after_the_closer_is_still_summed_and_the_order_learned_again(rng):
+    """A backward pass that gives parameter 1's gradient after the closer's: it waits in its list and goes
+    into the sum with the next micro-batch's (first of its list first, in a round of its own), and the closer
+    is forgotten, so the next attachment learns the order again."""
+    shapes = [(6, 4), (9,), (3,)]
+    micro = _gradients(rng, shapes, 3)
+    sums = _sums(direct=True)
+    sums.expect(len(shapes), len(micro), None)
+    for index in (2, 1, 0):
+        sums.add(index, f"p{index}", micro[0][index])
+    assert sums.closer == 0
+    append = {index: sums.append_hook(index, f"p{index}") for index in (1, 2)}
+    append[2](micro[1][2])
+    sums.close(0, micro[1][0])   # parameter 1 has not come yet
+    assert sums.closer is None
+    append[1](micro[1][1])
+    append[2](micro[2][2])
+    append[1](micro[2][1])       # two gradients of parameter 1 wait
+    sums.close(0, micro[2][0])
+    found, expected = dict(sums.named_sums()), _numpy_sums(micro)
+    for index in range(3):
+        np.testing.assert_array_equal(found[f"p{index}"].array, expected[index])
+
+
+def test_a_parameter_without_gradients_does_not_stop_learning(rng):
+    """One hooked parameter never gets a gradient: the micro-batch ends at the next one's first gradient."""
+    micro = _gradients(rng, [(4,), (5,)], 2)
+    sums = _sums(direct=True)
+    sums.expect(3, 2, None)   # three hooked, parameter 2 never gives one
+    for grads in micro:
+        sums.add(1, "p1", grads[1])
+        sums.add(0, "p0", grads[0])
+    assert sums.closer == 0 and sums._filled == 2
+    found, expected = dict(sums.named_sums()), _numpy_sums(micro)
+    for index in range(2):
+        np.testing.assert_array_equal(found[f"p{index}"].array, expected[index])

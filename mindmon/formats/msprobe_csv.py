@@ -107,21 +107,35 @@ def format_row(record: TensorStatsRecord, columns: Sequence[str], ndigits: int, 
 def format_text(records: Sequence[TensorStatsRecord], columns: Sequence[str], ndigits: int,
                 significant: bool = False) -> str:
     """The CSV text of `format_row` of each record, as `csv.writer` writes it (fields quoted where they hold a
-    comma, quote or line break; lines end in CRLF). At thousands of activation rows per step the record-by-
-    record way cost more than the statistics, so records whose ops are the header's, in its order (all of a
-    file's records unless ops changed while training), take a shorter way to the same text: their numbers
-    come from `_number_texts`, all at once, and each name, shape and dtype is quoted once per process."""
-    columns = list(columns)
+    comma, quote or line break; lines end in CRLF)."""
+    return format_texts([(records, columns)], ndigits, significant)[0]
+
+
+def format_texts(files: Sequence[Tuple[Sequence[TensorStatsRecord], Sequence[str]]], ndigits: int,
+                 significant: bool = False) -> List[str]:
+    """`format_text` of each (records, columns) of `files`. At thousands of activation rows per step the
+    record-by-record way cost more than the statistics, so records whose ops are their header's, in its
+    order (all of a file's records unless ops changed while training), take a shorter way to the same text:
+    the numbers of every file come from one `_number_texts`, and each name, shape and dtype is quoted once
+    per process."""
+    fitting = []                                 # per file: whether each record takes the short way
+    short_values = []                            # the values of the records that do, in order
+    for records, columns in files:
+        micro, fits = MICRO_STEP in columns, {}  # ops -> whether the header is exactly theirs
+        columns = list(columns)
+        for record in records:
+            ops = tuple(record.ops)
+            if ops not in fits:
+                fits[ops] = columns == header(ops, micro)
+        fitting.append(fits)
+        short_values += [record.value for record in records if fits[tuple(record.ops)]]
+    numbers = iter(_number_texts(short_values, ndigits, significant))
+    return [_file_text(records, columns, fits, numbers, ndigits, significant)
+            for (records, columns), fits in zip(files, fitting)]
+
+
+def _file_text(records, columns, fits, numbers, ndigits: int, significant: bool) -> str:
     micro = MICRO_STEP in columns
-    fits = {}                                    # ops -> whether the header is exactly theirs
-    short = []                                   # records taking the short way
-    for record in records:
-        ops = tuple(record.ops)
-        if ops not in fits:
-            fits[ops] = columns == header(ops, micro)
-        if fits[ops]:
-            short.append(record)
-    numbers = iter(_number_texts([record.value for record in short], ndigits, significant))
     lines = []
     for record in records:
         if not fits[tuple(record.ops)]:
@@ -129,7 +143,7 @@ def format_text(records: Sequence[TensorStatsRecord], columns: Sequence[str], nd
             continue
         micro_text = "" if not micro else "," if record.micro_step is None else f",{record.micro_step}"
         lines.append(f"{_stage_and_name(record.name)},{record.step - 1}{micro_text},{next(numbers)},"
-                     f"{_csv_field(str(tuple(record.shape)))},{_csv_field(record.dtype)}\r\n")
+                     f"{_shape_and_dtype(record.shape, record.dtype)}\r\n")
     return "".join(lines)
 
 
@@ -206,6 +220,21 @@ def _stage_and_name(name: str) -> str:
 
 
 _STAGE_AND_NAME: Dict[str, str] = {}
+
+
+def _shape_and_dtype(shape, dtype: str) -> str:
+    """The `shape,dtype` fields of a record, remembered like `_csv_field` (a step's thousands of rows share a
+    few dozen shapes; making `str(tuple(shape))` for each was a fifth of the CSV text's cost)."""
+    key = (shape, dtype) if isinstance(shape, tuple) else (tuple(shape), dtype)
+    fields = _SHAPE_AND_DTYPE.get(key)
+    if fields is None:
+        fields = f"{_csv_field(str(tuple(shape)))},{_csv_field(dtype)}"
+        if len(_SHAPE_AND_DTYPE) < _FIELDS_KEPT:
+            _SHAPE_AND_DTYPE[key] = fields
+    return fields
+
+
+_SHAPE_AND_DTYPE: Dict[Tuple[Tuple[int, ...], str], str] = {}
 
 
 def _csv_line(row: Sequence[str]) -> str:

@@ -6,14 +6,20 @@ hook saw in the step (the gradient before any data-parallel reduction). On CPU t
 the memory traffic of float64, which took a third of the statistics' time), others in float64;
 elsewhere it stays on the device.
 
-On CPU a hook only queues its gradient. The queue is added into the sums in one compiled call when
-every hooked parameter has given its gradient for the micro-batch (the backward pass's end, before the
-caller has the gradients: a loop that accumulates into them in place cannot change what is added), when
-a parameter gives a second one (a micro-batch in which some parameter had none), and before the sums are
-read. At the step's last micro-batch the same call takes the statistics of each finished sum while it is
-in cache, so `grad_unreduced` costs no read of its own. Why: in a hook, between MindSpore's kernels, the
-caches are cold and each Python call and attribute read costs several times its warm time (measured:
-about 26 us for a gradient's shape, dtype and pointer in a hook, 3 us right after).
+On CPU a hook only keeps its gradient, in its parameter's list. The lists are added into the sums in one
+compiled call when the micro-batch's backward pass ends (before the caller has the gradients: a loop that
+accumulates into them in place cannot change what is added) and before the sums are read. At the step's
+last micro-batch the same call takes the statistics of each finished sum while it is in cache, so
+`grad_unreduced` costs no read of its own. Why: in a hook, between MindSpore's kernels, the caches are
+cold and each Python call and attribute read costs several times its warm time (measured: about 26 us
+for a gradient's shape, dtype and pointer in a hook, 3 us right after).
+
+Where the backward pass ends is learned: while `closer` is None every hook is Python (`add`), and a
+micro-batch ends when every hooked parameter has given a gradient or one gives a second; the parameter
+whose gradient came last is then the closer. From the next attachment on, every other parameter's hook
+is its list's own `append` (`append_hook`: a C call, no Python frame per gradient) and the closer's hook
+(`close`) adds the lists. A micro-batch in which the closer did not come last (fewer lists filled than
+when it was learned, or a list holding two gradients) sends the hooks back to learning.
 """
 import logging
 import math
@@ -49,8 +55,12 @@ class GradientSums:
         # The host sums' memory, kept from step to step: a fresh array each step cost a page fault per
         # 4 KiB on its first write (a copy into fresh memory took twice as long as into used memory).
         self._buffers: Dict[int, np.ndarray] = {}
-        self._queue: List[Tuple[int, str, object]] = []
-        self._queued = set()
+        self._addresses: Dict[int, int] = {}   # index -> its buffer's data pointer
+        self._arrived: Dict[int, list] = {}   # index -> gradients given since the last flush (hooks hold .append)
+        self._names: Dict[int, str] = {}
+        self._order: List[int] = []            # learning: the indices in the order their gradients came
+        self.closer: Optional[int] = None      # the parameter whose gradient ends a micro-batch's backward
+        self._filled = 0                       # lists filled in the micro-batch the closer was learned from
         self._hooked, self._micro_batches, self._stats = 0, 0, None
         # index -> (micro-batches summed, statistics row, ops, eps) taken at the last add
         self._finished: Dict[int, tuple] = {}
@@ -58,33 +68,73 @@ class GradientSums:
     def expect(self, hooked: int, micro_batches: int = 0, stats=None) -> None:
         self._hooked, self._micro_batches, self._stats = hooked, micro_batches, stats
 
+    @property
+    def appends(self) -> bool:
+        """Whether hooks may be `append_hook`s: host sums, not per micro-batch."""
+        return self.on_host and not self.per_micro_batch
+
     def add(self, index: int, name: str, grad) -> None:
         if self.per_micro_batch:
             micro_step = self._counts.get(index, 0)
             self._counts[index] = micro_step + 1
             self.on_micro_gradient(name, grad, micro_step)
         elif self.on_host:
-            if index in self._queued:
-                self.flush()
-            self._queue.append((index, name, grad))
-            self._queued.add(index)
-            if len(self._queue) >= self._hooked:
-                self.flush()
+            arrived = self._list(index, name)
+            if arrived:   # a second gradient: the micro-batch before it ended with the last one that came
+                self._end_learned_micro_batch()
+            arrived.append(grad)
+            self._order.append(index)
+            if len(self._order) >= self._hooked:
+                self._end_learned_micro_batch()
         else:
             self._counts[index] = self._counts.get(index, 0) + 1
             previous = self._sums.get(index)
             self._sums[index] = (name, grad if previous is None else previous[1] + grad)
 
+    def append_hook(self, index: int, name: str) -> Callable:
+        """A hook that only keeps the gradient (its list's `append`), for a parameter that is not the closer."""
+        return self._list(index, name).append
+
+    def close(self, index: int, grad) -> None:
+        """The closer's hook: its gradient ends the micro-batch; every list goes into the sums."""
+        self._list(index, self._names.get(index, "")).append(grad)
+        filled = [arrived for arrived in self._arrived.values() if arrived]
+        if len(filled) < self._filled or any(len(arrived) > 1 for arrived in filled):
+            self.closer = None   # the backward pass gave its gradients in another order: learn it again
+        self.flush()
+
+    def _end_learned_micro_batch(self) -> None:
+        if self._order:
+            self.closer, self._filled = self._order[-1], len(self._order)
+        self.flush()
+
+    def _list(self, index: int, name: str) -> list:
+        arrived = self._arrived.get(index)
+        if arrived is None:
+            arrived = self._arrived[index] = []
+            self._names[index] = name
+        return arrived
+
     def flush(self) -> None:
-        """The queued gradients into their sums: float32 ones at their data pointers, all in one compiled
-        call (with the statistics of the sums they finish), the others through numpy."""
-        queue, self._queue = self._queue, []
-        self._queued.clear()
-        if not queue:
-            return
+        """The kept gradients into their sums, first of each list first (a list may hold a gradient that
+        came after the closer, then the next micro-batch's): float32 ones at their data pointers, all in
+        one compiled call per round (with the statistics of the sums they finish), the others through numpy."""
+        self._order.clear()
+        pending = []
+        for index, arrived in self._arrived.items():
+            if arrived:
+                pending.append((index, arrived.copy()))
+                arrived.clear()   # in place: the hooks hold these lists' appends
+        rounds = max((len(grads) for _, grads in pending), default=0)
+        for position in range(rounds):
+            self._add_round([(index, self._names[index], grads[position]) for index, grads in pending
+                             if position < len(grads)])
+
+    def _add_round(self, entries: List[Tuple[int, str, object]]) -> None:
+        """Gradients of distinct parameters into their sums (one table: no sum is written twice in it)."""
         direct = self.direct_views.allowed()
         table, finishing = [], []
-        for index, name, grad in queue:
+        for index, name, grad in entries:
             count = self._counts[index] = self._counts.get(index, 0) + 1
             shape, dtype, address = float32_memory(grad, direct)
             flat, first = self._sum_memory(index, name, shape, dtype, address)
@@ -92,7 +142,7 @@ class GradientSums:
                 row = len(finishing) if self._stats is not None and count == self._micro_batches else -1
                 if row >= 0:
                     finishing.append(index)
-                table += (flat.ctypes.data, address, flat.size, first, row)
+                table += (self._addresses[index], address, flat.size, first, row)
                 continue
             if math.prod(shape) != flat.size:
                 raise ValueError(f"a gradient of {math.prod(shape)} elements, {tuple(map(int, shape))}, "
@@ -127,6 +177,7 @@ class GradientSums:
         flat = self._buffers.get(index)
         if flat is None or flat.size != size or flat.dtype != dtype:
             flat = self._buffers[index] = np.empty(size, dtype)
+            self._addresses[index] = flat.ctypes.data   # read once: `ctypes` makes an object at every access
         return flat
 
     def named_sums(self) -> List[Tuple[str, object]]:
@@ -139,7 +190,7 @@ class GradientSums:
         added since, the same ops and eps), the rest now; elsewhere the named sums."""
         if not self.on_host:
             return self.named_sums()
-        self.flush()
+        self._end_learned_micro_batch()
         ops, eps = tuple(stats.ops), stats.eps
         indices = sorted(self._sums)
         values = np.empty((len(indices), len(ops)))
@@ -166,8 +217,9 @@ class GradientSums:
                            "grad_unreduced sums what came", step, counts, expected)
 
     def clear(self) -> None:
-        self._queue.clear()
-        self._queued.clear()
+        for arrived in self._arrived.values():
+            arrived.clear()
+        self._order.clear()
         self._counts.clear()
         self._sums.clear()
         self._finished.clear()
@@ -177,3 +229,7 @@ class GradientSums:
         """Monitoring stopped: the host sums' memory (a copy of every monitored gradient) is given back."""
         self.clear()
         self._buffers.clear()
+        self._addresses.clear()
+        self._arrived.clear()
+        self._names.clear()
+        self.closer = None   # the next attachment may hook other parameters: their order is learned again

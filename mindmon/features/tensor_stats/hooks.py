@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mindmon.compat import register_gradient_hook
+from mindmon.compat import builtin_hooks_accepted, register_gradient_hook
 from mindmon.config import ConfigError
 from mindmon.distributed import DataParallel
 from mindmon.features.l2.hooks import attach_l2_and_collectives, select_l2_cells
@@ -82,6 +82,7 @@ class TensorStatsHooks:
         self._handles: List = []             # for the whole run: the step end, the micro-step count
         self._capability_handles: List = []  # L2 features and collectives
         self._gradient_handles: List = []    # attached for collected steps only
+        self._hooked_closer: Optional[int] = None   # the closer the gradient hooks were made for
         self._warned = set()
 
     # --- attaching ------------------------------------------------------------------------------------
@@ -192,14 +193,15 @@ class TensorStatsHooks:
         when they return at once, and a cell hook that returns at once still costs its call
         (docs/performance.md)."""
         wanted = self.running and self.collecting and self.config.wg_distribution
+        if wanted and self._gradient_handles and self._hooked_closer != self._closer():
+            self._remove_gradient_hooks()   # the backward pass's last gradient was learned (or lost): hooked anew
         if wanted and not self._gradient_handles:
+            self._hooked_closer = self._closer()
             self._gradient_handles = [register_gradient_hook(self.at.parameters[index], self._gradient_hook(index, name))
                                       for index, name in self.selected]
             self.gradient_sums.expect(len(self._gradient_handles), self.at.grad_acc_steps, self.monitor.stats)
         elif not wanted:
-            for handle in self._gradient_handles:
-                handle.remove()
-            self._gradient_handles = []
+            self._remove_gradient_hooks()
             self.gradient_sums.expect(0)
         if self.activations is not None:
             self.activations.follow(self.running and self.collecting)
@@ -233,7 +235,21 @@ class TensorStatsHooks:
             handle.remove()
         self._handles.clear()
 
+    def _remove_gradient_hooks(self) -> None:
+        for handle in self._gradient_handles:
+            handle.remove()
+        self._gradient_handles = []
+
+    def _closer(self) -> Optional[int]:
+        """The parameter whose hook ends a micro-batch (see GradientSums), where the other hooks can be
+        appends (MindSpore 2.7 takes Python functions and methods only: every hook is Python there)."""
+        sums = self.gradient_sums
+        return sums.closer if sums.appends and builtin_hooks_accepted() else None
+
     def _gradient_hook(self, index: int, name: str):
+        closer = self._hooked_closer
+        if closer is not None:
+            return self.gradient_sums.append_hook(index, name) if index != closer else self._close_micro_batch
         add = self.gradient_sums.add
 
         def hook(grad):   # `_guard` written out: one Python frame fewer in each of the step's many calls
@@ -243,6 +259,13 @@ class TensorStatsHooks:
                 except Exception as error:  # noqa: BLE001 - the training must not die of its monitor
                     self._switch_off(error)
         return hook
+
+    def _close_micro_batch(self, grad) -> None:
+        if self.collecting:
+            try:
+                self.gradient_sums.close(self._hooked_closer, grad)
+            except Exception as error:  # noqa: BLE001 - the training must not die of its monitor
+                self._switch_off(error)
 
     def _record_micro_gradient(self, name: str, grad, micro_step: int) -> None:
         self.recorder.record(GRAD_UNREDUCED, [(name, grad)], {"micro_step": micro_step})

@@ -424,9 +424,8 @@ class TensorStatsMonitor(Monitor):
     def collect(self, step: int) -> List[Record]:
         records = []
         for entry in self.stats.results():
-            for name, (shape, dtype), row in zip(entry.names, entry.layouts, entry.values.tolist()):
-                records.append(TensorStatsRecord(step, entry.micro_step, self.rank, entry.point, name,
-                                                 row, ops=entry.ops, shape=shape, dtype=dtype))
+            records += TensorStatsRecord.many(step, entry.micro_step, self.rank, entry.point, entry.names,
+                                              entry.values.tolist(), entry.ops, entry.layouts)
         self.reset()
         return records
 

@@ -70,10 +70,10 @@ class MsprobeCsvSink(Sink):
                 by_file[path].append(record)
         if by_file:
             os.makedirs(self.folder, exist_ok=True)
-        for path, file_records in by_file.items():
-            columns = self._header(path, file_records)
-            fmt.write_text(path, columns, fmt.format_text(file_records, columns, self.ndigits,
-                                                          self.significant_digits))
+        files = [(file_records, self._header(path, file_records)) for path, file_records in by_file.items()]
+        texts = fmt.format_texts(files, self.ndigits, self.significant_digits)
+        for path, (_, columns), text in zip(by_file, files, texts):
+            fmt.write_text(path, columns, text)
 
     def _header(self, path: str, records: Sequence[TensorStatsRecord]) -> List[str]:
         """The file's header: read back from an existing file, else from the first rows it gets. Rows that
