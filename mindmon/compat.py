@@ -98,15 +98,17 @@ def register_gradient_hook(tensor, hook):
 
 @functools.lru_cache(maxsize=None)
 def builtin_hooks_accepted() -> bool:
-    """Whether `Tensor.register_hook` takes a built-in callable (a list's `append`): MindSpore 2.9 takes any
-    callable, 2.7 Python functions and methods only."""
-    try:
-        from mindspore._checkparam import check_hook_fn
+    """Whether a gradient hook may be a built-in callable (a list's `append`): MindSpore 2.9 takes any
+    callable, 2.7 Python functions and methods only. Asked of MindSpore itself, once: a hook registered on
+    a one-element Parameter and removed."""
+    import mindspore
 
-        check_hook_fn([].append)
-        return True
-    except (ImportError, TypeError):
+    try:
+        handle = register_gradient_hook(mindspore.Parameter(mindspore.Tensor([0.0]), name="mindmon_probe"), [].append)
+    except (TypeError, RuntimeError, ValueError):
         return False
+    handle.remove()
+    return True
 
 
 def dtype_name(dtype) -> str:

@@ -367,3 +367,15 @@ def test_gradient_hooks_become_appends_after_the_first_micro_batch(tmp_path, out
     assert hooks.gradient_sums.closer == hooks._hooked_closer and NAMES[hooks._hooked_closer].startswith("fc1.")
     rows = csv_rows(run_folder(output_root))
     assert_matches_reference({key: row for key, row in rows.items() if key[1] == 1}, reference_run(), 16)
+
+
+def test_python_gradient_hooks_where_built_in_ones_are_refused(tmp_path, output_root, monkeypatch):
+    """Where MindSpore refuses a built-in hook (2.7), every gradient hook stays Python: the same numbers."""
+    from mindmon.features.tensor_stats import hooks as tensor_stats_hooks
+
+    monkeypatch.setattr(tensor_stats_hooks, "builtin_hooks_accepted", lambda: False)
+    monitor = msprobe_loop(TrainerMon, write_config(tmp_path, WEIGHT_GRADIENTS))
+    assert monitor.hooks._hooked_closer is None and monitor.hooks.gradient_sums.closer is not None
+    rows = csv_rows(run_folder(output_root))
+    assert set(rows) == expected_keys(("grad_reduced", "grad_unreduced"))
+    assert_matches_reference(rows, reference_run(), 16)
