@@ -606,11 +606,7 @@ def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
     float32 arrays of the model's parameter sizes (fastest of `repeats`): the sum of the K micro-batch
     gradients (`grad_unreduced` is the sum; a copy and K - 1 adds, numpy's own speed) and one read of
     each of the six points' arrays (BLAS's dot of an array with itself: the fastest read numpy has here;
-    any statistic reads at least that). The arrays are larger than the last-level cache, as in training.
-    Also measured, not in the floor: the same sum made micro-batch by micro-batch, as a monitor must make it
-    (a backward pass gives one micro-batch's gradients; holding all K of them would cost K - 1 copies of
-    the gradients' memory), which reads and writes every sum at every micro-batch where the floor's
-    tensor-by-tensor order keeps a small sum in cache."""
+    any statistic reads at least that). The arrays are larger than the last-level cache, as in training."""
     sizes = [int(np.prod(p.shape)) for p in work.optimizer.parameters]
     rng = np.random.default_rng(0)
     micro = [[rng.standard_normal(n, dtype=np.float32) for n in sizes] for _ in range(work.size.micro_steps)]
@@ -624,19 +620,13 @@ def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
             for gradients in micro[1:]:
                 np.add(total, gradients[i], out=total)
 
-    def gradient_sums_as_they_come():
-        for k, gradients in enumerate(micro):
-            for total, gradient in zip(sums, gradients):
-                np.copyto(total, gradient) if k == 0 else np.add(total, gradient, out=total)
-
     def one_read_each():
         for arrays in others + [sums]:
             for array in arrays:
                 np.dot(array, array)
 
     best = {}
-    for name, work_done in (("gradient_sum_ms", gradient_sums), ("one_read_ms", one_read_each),
-                            ("gradient_sum_as_they_come_ms", gradient_sums_as_they_come)):
+    for name, work_done in (("gradient_sum_ms", gradient_sums), ("one_read_ms", one_read_each)):
         for _ in range(repeats):
             start = time.perf_counter()
             work_done()
@@ -815,9 +805,7 @@ def _norms_in_add_line(main: dict) -> List[str]:
 # what it is made of, and its total.
 FLOORS = (
     ("statistics_floor", "tensor_stats", "floor_ms",
-     lambda f: f"the gradient sum {f['gradient_sum_ms']:.1f} ms (micro-batch by micro-batch, as a monitor gets "
-               f"them: {f.get('gradient_sum_as_they_come_ms', float('nan')):.1f} ms, not in the floor) + one read of "
-               f"the six points {f['one_read_ms']:.1f} ms"),
+     lambda f: f"the gradient sum {f['gradient_sum_ms']:.1f} ms + one read of the six points {f['one_read_ms']:.1f} ms"),
     ("activation_floor", "activations", "one_read_ms",
      lambda f: f"one read of the {f['tensors']} activations and activation gradients a step collects "
                f"({f['elements']:,} elements)"),
