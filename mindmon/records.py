@@ -62,6 +62,19 @@ class Record:
     value: Union[float, List[float]]
     iteration: Optional[int] = None  # global micro-step count, where upstream prints one (`iter`)
 
+    @classmethod
+    def many(cls, step: int, micro_step: Optional[int], rank: int, kind: str, names: Sequence[str],
+             values: Sequence) -> List["Record"]:
+        """One record per (name, value): the constructor's records, made without its `object.__setattr__`
+        per field (a frozen dataclass's `__init__`). A step makes hundreds or thousands: measured warm, a
+        Record 0.87 us by the constructor against 0.55, a TensorStatsRecord 2.5 against 0.9."""
+        common, records = _common(cls, step=step, micro_step=micro_step, rank=rank, kind=kind), []
+        for name, value in zip(names, values):
+            record = object.__new__(cls)
+            record.__dict__.update(common, name=name, value=value)
+            records.append(record)
+        return records
+
 
 @dataclass(frozen=True)
 class TensorStatsRecord(Record):
@@ -76,15 +89,11 @@ class TensorStatsRecord(Record):
         return self.value[self.ops.index(op)]
 
     @classmethod
-    def many(cls, step: int, micro_step: Optional[int], rank: int, kind: str, names: Sequence[str],
-             values: Sequence[List[float]], ops: Tuple[str, ...], layouts: Sequence[Tuple[Tuple[int, ...], str]]
-             ) -> List["TensorStatsRecord"]:
-        """One record per tensor of one point: names, values and (shape, dtype) layouts side by side. The
-        same records as the constructor's, made without its `object.__setattr__` per field (a frozen
-        dataclass's `__init__`): at a step's hundreds or thousands of rows that was 2.6 us a record,
-        this is 0.7."""
-        common = dict(_RECORD_DEFAULTS, step=step, micro_step=micro_step, rank=rank, kind=kind, ops=ops)
-        records = []
+    def for_tensors(cls, step: int, micro_step: Optional[int], rank: int, kind: str, names: Sequence[str],
+                    values: Sequence[List[float]], ops: Tuple[str, ...],
+                    layouts: Sequence[Tuple[Tuple[int, ...], str]]) -> List["TensorStatsRecord"]:
+        """`Record.many` for tensors: names, values and (shape, dtype) layouts side by side, one `ops`."""
+        common, records = _common(cls, step=step, micro_step=micro_step, rank=rank, kind=kind, ops=ops), []
         for name, value, (shape, dtype) in zip(names, values, layouts):
             record = object.__new__(cls)
             record.__dict__.update(common, name=name, value=value, shape=shape, dtype=dtype)
@@ -97,5 +106,13 @@ class TensorStatsRecord(Record):
                 for op, value in zip(self.ops, self.value)]
 
 
-# Every field's default, for `TensorStatsRecord.many` (a field added later is still set).
-_RECORD_DEFAULTS = {field.name: field.default for field in fields(TensorStatsRecord)}
+
+def _common(cls, **values) -> dict:
+    """Every field of `cls` at its default, then `values`: what a step's records share."""
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _DEFAULTS[cls] = {field.name: field.default for field in fields(cls)}
+    return dict(defaults, **values)
+
+
+_DEFAULTS: dict = {}

@@ -424,8 +424,8 @@ class TensorStatsMonitor(Monitor):
     def collect(self, step: int) -> List[Record]:
         records = []
         for entry in self.stats.results():
-            records += TensorStatsRecord.many(step, entry.micro_step, self.rank, entry.point, entry.names,
-                                              entry.values.tolist(), entry.ops, entry.layouts)
+            records += TensorStatsRecord.for_tensors(step, entry.micro_step, self.rank, entry.point, entry.names,
+                                                     entry.values.tolist(), entry.ops, entry.layouts)
         self.reset()
         return records
 

@@ -134,18 +134,18 @@ class TrainStateMonitor(Monitor):
         for k in self._micro_steps:
             accumulated = np.sqrt(squared[("accumulated", k)])
             if self.config.local_norm.enabled:
-                increments = accumulated - previous
-                records += [self._record(step, k, LOCAL_NORM, n, float(v))
-                            for n, v, keep in zip(self.names, increments, self.local_mask) if keep]
-                records += [self._record(step, k, MICRO_NORM, n, float(v))
-                            for n, v, keep in zip(self.names, np.sqrt(squared[("micro", k)]), self.local_mask)
-                            if keep]
+                records += self._masked_records(step, k, LOCAL_NORM, accumulated - previous, self.local_mask)
+                records += self._masked_records(step, k, MICRO_NORM, np.sqrt(squared[("micro", k)]), self.local_mask)
             previous = accumulated
         if self.config.device_norm.enabled:
             device = np.sqrt(squared["reduced"]) if "reduced" in squared else previous
-            records += [self._record(step, None, DEVICE_NORM, n, float(v))
-                        for n, v, keep in zip(self.names, device, self.device_mask) if keep]
+            records += self._masked_records(step, None, DEVICE_NORM, device, self.device_mask)
         return records
+
+    def _masked_records(self, step, micro_step, kind, values: np.ndarray, mask: np.ndarray) -> List[Record]:
+        """A record per parameter the mask keeps (names in order, values as Python floats)."""
+        names = [name for name, keep in zip(self.names, mask) if keep]
+        return Record.many(step, micro_step, self.rank, kind, names, np.asarray(values, dtype=np.float64)[mask].tolist())
 
     def _record(self, step, micro_step, kind, name, value) -> Record:
         return Record(step, micro_step, self.rank, kind, name, value)
