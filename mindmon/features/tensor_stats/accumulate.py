@@ -16,14 +16,15 @@ for a gradient's shape, dtype and pointer in a hook, 3 us right after).
 
 Where the backward pass ends is learned: while `closer` is None every hook is Python (`add`), and a
 micro-batch ends when every hooked parameter has given a gradient or one gives a second; the parameter
-whose gradient came last is then the closer. From the step's end on (the hooks are made again), every other parameter's hook
-is its list's own `append` (`append_hook`: a C call, no Python frame per gradient) and the closer's hook
-(`close`) adds the lists. A micro-batch in which the closer did not come last (fewer lists filled than
-when it was learned, or a list holding two gradients) sends the hooks back to learning. One case is left:
-a micro-batch in which the closer's parameter gets no gradient at all (a learned closer is the first layer
-a backward pass reaches last, which every micro-batch uses). Its gradients then wait in their lists for the
-next micro-batch's closer, which finds lists holding two and sends the hooks back to learning, or for the
-optimizer call; a loop that changed those gradients in place before then would change what is added.
+whose gradient came last is then the closer. From the step's end on (the hooks are made again), every
+other parameter's hook is its list's own `append` (`append_hook`: a C call, no Python frame per gradient)
+and the closer's hook (`close`) adds the lists. A micro-batch in which the closer did not come last (fewer
+lists filled than when it was learned, or a list holding two gradients) sends the hooks back to learning.
+One case is left: a micro-batch in which the closer's parameter gets no gradient at all (a learned closer
+is the first layer a backward pass reaches last, which every micro-batch uses). Its gradients then wait in
+their lists for the next micro-batch's closer, which finds lists holding two and sends the hooks back to
+learning, or for the optimizer call; a loop that changed those gradients in place before then would change
+what is added.
 """
 import logging
 import math

@@ -145,7 +145,8 @@ class TrainStateMonitor(Monitor):
     def _masked_records(self, step, micro_step, kind, values: np.ndarray, mask: np.ndarray) -> List[Record]:
         """A record per parameter the mask keeps (names in order, values as Python floats)."""
         names = [name for name, keep in zip(self.names, mask) if keep]
-        return Record.many(step, micro_step, self.rank, kind, names, np.asarray(values, dtype=np.float64)[mask].tolist())
+        kept = np.asarray(values, dtype=np.float64)[mask].tolist()
+        return Record.many(step, micro_step, self.rank, kind, names, kept)
 
     def _record(self, step, micro_step, kind, name, value) -> Record:
         return Record(step, micro_step, self.rank, kind, name, value)
