@@ -106,7 +106,6 @@ class TensorStatsRecord(Record):
                 for op, value in zip(self.ops, self.value)]
 
 
-
 def _common(cls, **values) -> dict:
     """Every field of `cls` at its default, then `values`: what a step's records share."""
     defaults = _DEFAULTS.get(cls)
