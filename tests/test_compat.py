@@ -135,6 +135,20 @@ def _check_float32_memory(float32_memory):
         # (MindSpore 2.7 gives a tensor made from numpy data pointer 0 until an op has run on it)
         assert address == (tensor._data_ptr() if addressed else 0)
         assert float32_memory(tensor, False) == (tensor.shape, tensor.dtype, 0)
+    _check_float32_memories([tensor for tensor, _ in cases], [tensor for tensor, addressed in cases if addressed])
+
+
+def _check_float32_memories(tensors, addressed):
+    """`float32_memories` gives, as three lists, what `float32_memory` gives tensor by tensor: for tensors
+    all contiguous float32 (its `map`s over the C++ class), with others among them, with an array standing
+    for a tensor among them."""
+    from mindmon.features.tensor_stats.monitor import HostTensor
+    from mindmon.kernels.stats import float32_memories, float32_memory
+
+    mixed = tensors + [HostTensor(np.zeros((2, 2), np.float32), "Float32")]
+    for chosen in (addressed, tensors, mixed):
+        for direct in (True, False):
+            assert list(zip(*float32_memories(chosen, direct))) == [float32_memory(t, direct) for t in chosen]
 
 
 def test_is_floating_names_the_types_a_gradient_flows_to():

@@ -339,3 +339,41 @@ def test_a_parameter_without_gradients_does_not_stop_learning(rng):
     found, expected = dict(sums.named_sums()), _numpy_sums(micro)
     for index in range(2):
         np.testing.assert_array_equal(found[f"p{index}"].array, expected[index])
+
+
+def test_micro_batches_after_the_first_go_by_its_plan_and_leave_it_where_it_does_not_fit(rng, monkeypatch):
+    """After a micro-batch whose every gradient was added at its address, the next ones go by its plan (no
+    per-gradient Python). A micro-batch that does not fit it (a float16 gradient, one not contiguous, another
+    shape: refused) is added one gradient at a time. Over two steps, every sum is numpy's."""
+    from mindmon.features.tensor_stats import accumulate
+
+    planned = []
+    add_planned = accumulate.GradientSums._add_planned
+    monkeypatch.setattr(accumulate.GradientSums, "_add_planned",
+                        lambda self, lists: (planned.append(add_planned(self, lists)), planned[-1])[1])
+    shapes = [(40, 3), (7,), (5, 6)]
+    sums = _sums(direct=True)
+    sums.expect(len(shapes), 4, None)
+    for step in range(2):
+        micro = _gradients(rng, shapes, 4)
+        micro[2][1] = Tensor(micro[2][1].asnumpy().astype(np.float16))            # not float32
+        micro[3][2] = Tensor(np.ascontiguousarray(micro[3][2].asnumpy().T)).transpose(1, 0)   # a strided view
+        planned.clear()
+        for grads in micro:
+            for index in (2, 1, 0):
+                sums.add(index, f"p{index}", grads[index])
+        found = dict(sums.named_sums())
+        # step 0 learns the plan from its first micro-batch; step 1 uses it from its first
+        assert planned == ([False, True, False, False] if step == 0 else [True, True, False, False])
+        for index, shape in enumerate(shapes):
+            expected = micro[0][index].asnumpy().astype(np.float64)
+            for grads in micro[1:]:
+                expected = expected + grads[index].asnumpy().astype(np.float64)
+            assert found[f"p{index}"].array.shape == shape
+            np.testing.assert_allclose(found[f"p{index}"].array, expected, rtol=1e-5, atol=1e-5)
+        sums.clear()
+    for index, shape in enumerate(shapes[::-1]):   # a micro-batch by the plan, then one of another shape
+        sums.add(2 - index, f"p{2 - index}", Tensor(rng.normal(size=shape).astype(np.float32)))
+    with pytest.raises(ValueError, match="a gradient of 6 elements"):
+        for index, shape in ((2, (5, 6)), (1, (7,)), (0, (2, 3))):
+            sums.add(index, f"p{index}", Tensor(rng.normal(size=shape).astype(np.float32)))

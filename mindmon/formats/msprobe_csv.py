@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.chunks import chunk_name, split_chunk
+from mindmon.kernels.rounded_text import rounded_lines
 from mindmon.records import TensorStatsRecord
 from mindmon.formats.step_file import append_whole
 
@@ -147,51 +148,17 @@ def _file_text(records, columns, fits, numbers, ndigits: int, significant: bool)
     return "".join(lines)
 
 
-# repr prints floats below this in exponent form ('1e-05')
-_REPR_POSITIONAL = 1e-4
-
-
 def _number_texts(rows: Sequence[Sequence[float]], ndigits: int, significant: bool) -> List[str]:
-    """Each row's statistics as `format_value` writes them (`repr(round(value, ndigits))`), joined by commas.
-    Where that text is provably `'%.{ndigits}f' % value` without trailing zeros (`ndigits` >= 1 and
-    1e-4 <= |value| < 10 ** (15 - ndigits), or 0), the values are formatted in one `map` and stripped of
-    their zeros all at once; the rest (activation gradients are often below 1e-4) one by one. Why the two
-    agree there: `round` and `%f` make the same correctly rounded decimal d (CPython's dtoa, mode 3); d has
-    at most 15 significant digits, and two different decimals of at most 15 digits never round to the same
-    double, so no shorter digit string stands for `round`'s double than d stripped, which `repr` prints
-    positionally from 1e-4 up (a value of at least 1e-4 cannot round below it: 1e-4 is itself a multiple
-    of 10 ** -ndigits, or it rounds to 0)."""
+    """Each row's statistics as `format_value` writes them (`repr(round(value, ndigits))`), joined by commas:
+    by compiled code where the rows are of one length and `ndigits` is 1..15 (mindmon.kernels.rounded_text),
+    else one by one."""
     if not rows:
         return []
-    if significant or ndigits < 1:
-        return [",".join(format_value(value, ndigits, significant) for value in row) for row in rows]
-    values = np.array(rows, dtype=np.float64)
-    flat = values.reshape(-1)
-    magnitudes = np.abs(flat)
-    with np.errstate(invalid="ignore"):
-        plain = ((magnitudes >= _REPR_POSITIONAL) & (magnitudes < 10.0 ** (15 - ndigits))) | (flat == 0)
-    texts = np.empty(flat.size, dtype=object)
-    if plain.any():
-        formatted = "\n".join(map(f"%.{ndigits}f".__mod__, flat[plain].tolist()))
-        texts[plain] = _without_trailing_zeros(formatted).split("\n")
-    texts[~plain] = [repr(round(value, ndigits)) for value in flat[~plain].tolist()]
-    return list(map(",".join, texts.reshape(values.shape).tolist()))
-
-
-def _without_trailing_zeros(text: str) -> str:
-    """Lines of one '%.Nf' number each (N >= 1), each stripped of its trailing zeros but the first decimal
-    ('12.500000' -> '12.5', '3.000000' -> '3.0'), in numpy over the characters: a regular expression took
-    12 ms over a step's 2,828 activation rows, this 2 ms."""
-    chars = np.frombuffer(text.encode("ascii"), np.uint8)
-    zero = chars == _ZERO
-    # each position's first non-zero character at or after it (len(chars): the text's end)
-    following = np.minimum.accumulate(np.where(zero, len(chars), np.arange(len(chars)))[::-1])[::-1]
-    ends_number = np.append(chars == _NEWLINE, True)[following]
-    after_point = np.append(False, chars[:-1] == _POINT)
-    return chars[~(zero & ends_number & ~after_point)].tobytes().decode("ascii")
-
-
-_ZERO, _POINT, _NEWLINE = (ord(c) for c in "0.\n")
+    if not significant and len(set(map(len, rows))) == 1:
+        lines = rounded_lines(np.array(rows, dtype=np.float64), ndigits)
+        if lines is not None:
+            return lines
+    return [",".join(format_value(value, ndigits, significant) for value in row) for row in rows]
 
 
 def _csv_field(text: str) -> str:

@@ -14,6 +14,7 @@ loops it calls inside it. With the loops in another file, editing them left the 
 one running the old loops until someone cleared the cache; here any edit invalidates them all.
 """
 import ctypes
+import math
 
 import numba
 import numpy as np
@@ -321,3 +322,123 @@ def adds_at_loop(table, eps, small_size, codes, n_rows):
 
 
 adds_at = _jit(adds_at_loop)
+
+
+# Decimal text: what `repr(round(value, ndigits))` prints, made from the exact binary value. Bytes it writes.
+_MINUS, _POINT, _COMMA, _NEWLINE, _UNWRITTEN = 45, 46, 44, 10, 63   # '-', '.', ',', '\n', '?'
+_LOW32, _U32, _U1 = np.uint64(0xFFFFFFFF), np.uint64(32), np.uint64(1)
+
+
+def wide_product(a, b):
+    """a * b of two uint64 as (high, low) uint64 words, from 32-bit halves."""
+    a0, a1, b0, b1 = a & _LOW32, a >> _U32, b & _LOW32, b >> _U32
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    middle = (p00 >> _U32) + (p01 & _LOW32) + (p10 & _LOW32)
+    return p11 + (p01 >> _U32) + (p10 >> _U32) + (middle >> _U32), (p00 & _LOW32) | (middle << _U32)
+
+
+def scaled_to_integer(magnitude, scale):
+    """`magnitude * scale` rounded to the nearest integer, ties to even, computed from the exact binary value
+    (as CPython's `round` and `%f` do); for magnitude * scale < 2 ** 62 and magnitude < 2 ** 52."""
+    fraction, exponent = math.frexp(magnitude)
+    mantissa = np.uint64(fraction * 9007199254740992.0)   # * 2 ** 53: exact
+    shift = 53 - exponent                                # magnitude = mantissa / 2 ** shift, shift > 0
+    if shift >= 118:                                     # the product is below 2 ** 117 = half of 2 ** 118
+        return 0
+    high, low = wide_product(mantissa, np.uint64(scale))
+    if shift < 64:
+        kept = (low >> np.uint64(shift)) | ((high << np.uint64(63 - shift)) << _U1)
+        rest_high, rest_low = np.uint64(0), low & ((_U1 << np.uint64(shift)) - _U1)
+        half_high, half_low = np.uint64(0), _U1 << np.uint64(shift - 1)
+    else:
+        kept = high >> np.uint64(shift - 64)
+        rest_high, rest_low = high & ((_U1 << np.uint64(shift - 64)) - _U1), low
+        half_high = (_U1 << np.uint64(shift - 65)) if shift > 64 else np.uint64(0)
+        half_low = np.uint64(0) if shift > 64 else _U1 << np.uint64(63)
+    above = rest_high > half_high or (rest_high == half_high and rest_low > half_low)
+    tie = rest_high == half_high and rest_low == half_low
+    if above or (tie and kept & _U1):
+        kept += _U1
+    return np.int64(kept)
+
+
+def write_digits(out, at, number, width):
+    """`number` >= 0 in decimal into `out` from `at`, zero-padded to `width` digits; returns the end."""
+    digits = 1
+    while number // 10 ** digits:
+        digits += 1
+    digits = max(digits, width)
+    for k in range(digits):
+        out[at + digits - 1 - k] = 48 + number % 10
+        number //= 10
+    return at + digits
+
+
+def write_text(out, at, text):
+    for k in range(len(text)):
+        out[at + k] = ord(text[k])
+    return at + len(text)
+
+
+def write_rounded(out, at, value, ndigits, scale, limit):
+    """`repr(round(value, ndigits))` into `out` from `at` for |value| < `limit` (10 ** (15 - ndigits)), NaN
+    and inf; '?' for any other (the caller writes those). Returns the end."""
+    if value != value:
+        return write_text(out, at, "nan")
+    magnitude = abs(value)
+    if limit <= magnitude < np.inf:
+        out[at] = _UNWRITTEN
+        return at + 1
+    if math.copysign(1.0, value) < 0:
+        out[at] = _MINUS
+        at += 1
+    if magnitude == np.inf:
+        return write_text(out, at, "inf")
+    number = scaled_to_integer(magnitude, scale)
+    if number == 0:
+        return write_text(out, at, "0.0")
+    if number >= scale // 10 ** 4:     # >= 1e-4: repr prints it positionally, zeros after the point dropped
+        at = write_digits(out, at, number // scale, 1)
+        out[at] = _POINT
+        fraction, width = number % scale, ndigits
+        while width > 1 and fraction % 10 == 0:
+            fraction //= 10
+            width -= 1
+        return write_digits(out, at + 1, fraction, width)
+    exponent = -ndigits                  # below 1e-4: d[.ddd]e-XX, the digits without their trailing zeros
+    while number % 10 == 0:
+        number //= 10
+        exponent += 1
+    digits = 1
+    while number // 10 ** digits:
+        digits += 1
+    exponent += digits - 1
+    leading = number // 10 ** (digits - 1)
+    out[at] = 48 + leading
+    at += 1
+    if digits > 1:
+        out[at] = _POINT
+        at = write_digits(out, at + 1, number - leading * 10 ** (digits - 1), digits - 1)
+    at = write_text(out, at, "e-")
+    return write_digits(out, at, -exponent, 2)
+
+
+def rounded_texts_loop(values, columns, ndigits):
+    """`write_rounded` of every value, `columns` to a line: values joined by ',', lines by '\\n'. Returns the
+    bytes buffer and its length used. 1 <= ndigits <= 15."""
+    scale = np.int64(10) ** ndigits
+    limit = 10.0 ** (15 - ndigits)
+    out = np.empty(values.size * 32 + 1, np.uint8)   # a value takes at most 1 + 15 + 1 + 15 bytes
+    at = 0
+    for k in range(values.size):
+        if k:
+            out[at] = _NEWLINE if k % columns == 0 else _COMMA
+            at += 1
+        at = write_rounded(out, at, values[k], ndigits, scale, limit)
+    return out, at
+
+
+# Each compiled where it is defined, so that the functions calling it take the compiled one.
+wide_product, scaled_to_integer, write_digits, write_text, write_rounded = (
+    _jit(function) for function in (wide_product, scaled_to_integer, write_digits, write_text, write_rounded))
+rounded_texts = _jit(rounded_texts_loop)

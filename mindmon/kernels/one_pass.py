@@ -95,6 +95,7 @@ def prepare() -> None:
     add_and_squares(one.copy(), one, True)
     adds_at(np.array([one.copy().ctypes.data, one.ctypes.data, 1, 1, 0], dtype=np.int64), 1e-8, 1,
             np.zeros(1, np.int64), 1)
+    _compiled().rounded_texts(np.zeros(1), 1, 6)   # the CSV rows' numbers (mindmon.kernels.rounded_text)
 
 
 _compiled_module = None

@@ -24,9 +24,9 @@ Example:
     monitor.record("grad_reduced", [("fc1.weight", grad)])
     records = monitor.collect(step=1)   # [TensorStatsRecord(kind="grad_reduced", name="fc1.weight", ...)]
 """
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
-
 import math
+from operator import is_
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -36,7 +36,8 @@ from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_
                                                   OPS, PARAM_ORIGIN, PARAM_UPDATED, POINTS)
 from mindmon.records import Record, TensorStatsRecord
 from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at, row_reductions_at
-from mindmon.kernels.stats import SMALL, StepDirectViews, direct_view, float32_memory, float32_runs, host_array
+from mindmon.kernels.stats import (SMALL, StepDirectViews, direct_view, float32_memories, float32_memory,
+                                   float32_runs, host_array)
 
 
 
@@ -100,42 +101,38 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
     where they lie: their data pointers go to the compiled code in one call, which writes their rows (0-dim
     ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that cost more than the loop over
-    a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one. `memory`:
-    each tensor's `float32_memory`, read already (in its hook: later, MindSpore's data pointer costs ten
-    times as much)."""
-    located = []   # row, address, size, 0-dim of each tensor read where it lies, flat (one numpy call: the table)
-    elsewhere = []   # rows numpy_stats takes
-    repeated = []    # rows of a tensor given again right after itself (one gradient, several cells' rows)
-    layouts = []
-    previous = None
-    for index, tensor in enumerate(tensors):   # per tensor of every hook call: kept to the fewest calls
-        if tensor is previous:
-            repeated.append(index)
-            layouts.append(layouts[-1])
-            continue
-        previous = tensor
-        shape, dtype, address = float32_memory(tensor, direct) if memory is None else memory[index]
-        layouts.append((shape, dtype))
-        if address:
-            size = math.prod(shape)
-            if size:
-                located += (index, address, size, not shape)
-                continue
-        elsewhere.append(index)
-    if located:
-        rows, redo = reductions_at(np.array(located, dtype=np.int64), eps, SMALL, statistic_codes(ops),
-                                   len(tensors))
-        for k in redo.tolist():   # NaN or inf: numpy's rules
-            index = located[4 * k]
-            rows[index] = numpy_stats(direct_view(tensors[index], "Float32"), ops, eps, not layouts[index][0])
+    a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one. A tensor
+    given again right after itself (one gradient, several cells' rows) is read once. `memory`: each
+    tensor's `float32_memory`, read already (in its hook: later, MindSpore's data pointer costs ten times
+    as much); else they are read here by `float32_memories`, with no Python frame per tensor."""
+    if memory is None:
+        shapes, dtypes, addresses = float32_memories(tensors, direct)
+    else:
+        shapes, dtypes, addresses = (list(column) for column in zip(*memory)) if memory else ([], [], [])
+    layouts = list(zip(shapes, dtypes))
+    repeated = np.zeros(len(tensors), dtype=bool)
+    repeated[1:] = list(map(is_, tensors[1:], tensors[:-1]))
+    sizes = np.array(list(map(math.prod, shapes)), dtype=np.int64)
+    located = np.array(addresses, dtype=np.int64) != 0
+    located &= (sizes != 0) & ~repeated
+    rows_located = np.flatnonzero(located)
+    if rows_located.size:
+        table = np.empty((rows_located.size, 4), dtype=np.int64)   # row, address, size, 0-dim
+        table[:, 0], table[:, 1], table[:, 2] = rows_located, [addresses[i] for i in rows_located.tolist()], \
+            sizes[rows_located]
+        table[:, 3] = [not shapes[i] for i in rows_located.tolist()]
+        rows, redo = reductions_at(table.reshape(-1), eps, SMALL, statistic_codes(ops), len(tensors))
+        for index in table[redo, 0].tolist():   # NaN or inf: numpy's rules
+            rows[index] = numpy_stats(direct_view(tensors[index], "Float32"), ops, eps, not shapes[index])
     else:
         rows = np.empty((len(tensors), len(ops)))
+    elsewhere = np.flatnonzero(~located & ~repeated).tolist()
     if direct and elsewhere:
         elsewhere = _strided_statistics(tensors, layouts, elsewhere, ops, eps, rows)
     for index in elsewhere:
         shape, dtype = layouts[index]
         rows[index] = numpy_stats(host_array(tensors[index], direct, dtype_name(dtype)), ops, eps, not shape)
-    for index in repeated:
+    for index in np.flatnonzero(repeated).tolist():
         rows[index] = rows[index - 1]
     return rows, layouts
 
