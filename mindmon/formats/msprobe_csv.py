@@ -29,6 +29,8 @@ import os
 import re
 import uuid
 from datetime import datetime
+from itertools import chain, compress, islice
+from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -117,29 +119,41 @@ def format_texts(files: Sequence[Tuple[Sequence[TensorStatsRecord], Sequence[str
     """`format_text` of each (records, columns) of `files`. At thousands of activation rows per step the
     record-by-record way cost more than the statistics, so records whose ops are their header's, in its
     order (all of a file's records unless ops changed while training), take a shorter way to the same text:
-    the numbers of every file come from one `_number_texts`, and each name, shape and dtype is quoted once
-    per process."""
-    fitting = []                                 # per file: whether each record takes the short way
-    short_values = []                            # the values of the records that do, in order
-    for records, columns in files:
-        micro, fits = MICRO_STEP in columns, {}  # ops -> whether the header is exactly theirs
-        columns = list(columns)
-        for record in records:
-            ops = tuple(record.ops)
-            if ops not in fits:
-                fits[ops] = columns == header(ops, micro)
-        fitting.append(fits)
-        short_values += [record.value for record in records if fits[tuple(record.ops)]]
+    the numbers of every file come from one `_number_texts`, each name, shape and dtype is quoted once per
+    process, and a file whose records all take it is made by `map`s over its records' fields."""
+    fitting = [_fitting(records, columns) for records, columns in files]   # per file and record: the short way
+    short_values = []                            # the values of the records that take it, in order
+    for (records, _), fits in zip(files, fitting):
+        short_values += compress(map(_VALUE, records), fits)
     numbers = iter(_number_texts(short_values, ndigits, significant))
     return [_file_text(records, columns, fits, numbers, ndigits, significant)
             for (records, columns), fits in zip(files, fitting)]
 
 
-def _file_text(records, columns, fits, numbers, ndigits: int, significant: bool) -> str:
+_NAME, _STEP, _MICRO, _OPS, _VALUE, _SHAPE, _DTYPE = (
+    attrgetter(field) for field in ("name", "step", "micro_step", "ops", "value", "shape", "dtype"))
+
+
+def _fitting(records: Sequence[TensorStatsRecord], columns: Sequence[str]) -> List[bool]:
+    """Per record: whether its ops are exactly its file's header's (the short way)."""
+    micro, columns = MICRO_STEP in columns, list(columns)
+    ops = list(map(_OPS, records))
+    if ops and ops.count(ops[0]) == len(ops):   # one ops for the whole file: the usual case
+        return [columns == header(tuple(ops[0]), micro)] * len(ops)
+    fits = {}   # ops -> whether the header is exactly theirs
+    for record_ops in map(tuple, ops):
+        if record_ops not in fits:
+            fits[record_ops] = columns == header(record_ops, micro)
+    return [fits[record_ops] for record_ops in map(tuple, ops)]
+
+
+def _file_text(records, columns, fits: List[bool], numbers, ndigits: int, significant: bool) -> str:
+    if records and all(fits):
+        return _short_file_text(records, MICRO_STEP in columns, list(islice(numbers, len(records))))
     micro = MICRO_STEP in columns
     lines = []
-    for record in records:
-        if not fits[tuple(record.ops)]:
+    for record, fit in zip(records, fits):
+        if not fit:
             lines.append(_csv_line(format_row(record, columns, ndigits, significant)))
             continue
         micro_text = "" if not micro else "," if record.micro_step is None else f",{record.micro_step}"
@@ -148,14 +162,42 @@ def _file_text(records, columns, fits, numbers, ndigits: int, significant: bool)
     return "".join(lines)
 
 
+def _short_file_text(records: Sequence[TensorStatsRecord], micro: bool, numbers: List[str]) -> str:
+    """The lines of records that all take the short way, field by field over all of them (remembered fields
+    looked up by `map`; what is new made by `_stage_and_name` and `_shape_and_dtype`)."""
+    names = list(map(_NAME, records))
+    stage_and_names = list(map(_STAGE_AND_NAME.get, names))
+    if None in stage_and_names:
+        stage_and_names = list(map(_stage_and_name, names))
+    try:
+        shapes_and_dtypes = list(map(_SHAPE_AND_DTYPE.get, zip(map(_SHAPE, records), map(_DTYPE, records))))
+    except TypeError:   # a shape given as a list: not a key
+        shapes_and_dtypes = [None]
+    if None in shapes_and_dtypes:
+        shapes_and_dtypes = list(map(_shape_and_dtype, map(_SHAPE, records), map(_DTYPE, records)))
+    steps = list(map(_STEP, records))
+    step_texts = [str(steps[0] - 1)] * len(steps) if steps.count(steps[0]) == len(steps) else \
+        [str(step - 1) for step in steps]
+    if micro:
+        step_texts = list(map("{},{}".format, step_texts, map(_micro_text, map(_MICRO, records))))
+    return "\r\n".join(map(",".join, zip(stage_and_names, step_texts, numbers, shapes_and_dtypes))) + "\r\n"
+
+
+def _micro_text(micro_step: Optional[int]) -> str:
+    return "" if micro_step is None else str(micro_step)
+
+
 def _number_texts(rows: Sequence[Sequence[float]], ndigits: int, significant: bool) -> List[str]:
     """Each row's statistics as `format_value` writes them (`repr(round(value, ndigits))`), joined by commas:
     by compiled code where the rows are of one length and `ndigits` is 1..15 (mindmon.kernels.rounded_text),
     else one by one."""
     if not rows:
         return []
-    if not significant and len(set(map(len, rows))) == 1:
-        lines = rounded_lines(np.array(rows, dtype=np.float64), ndigits)
+    widths = set(map(len, rows))
+    if not significant and len(widths) == 1:
+        width = widths.pop()
+        values = np.fromiter(chain.from_iterable(rows), np.float64, len(rows) * width)
+        lines = rounded_lines(values.reshape(len(rows), width), ndigits)
         if lines is not None:
             return lines
     return [",".join(format_value(value, ndigits, significant) for value in row) for row in rows]

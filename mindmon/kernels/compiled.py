@@ -362,12 +362,19 @@ def scaled_to_integer(magnitude, scale):
     return np.int64(kept)
 
 
+def decimal_digits(number):
+    """How many decimal digits `number` > 0 has (1 for 0)."""
+    digits = 1
+    number //= 10
+    while number:
+        digits += 1
+        number //= 10
+    return digits
+
+
 def write_digits(out, at, number, width):
     """`number` >= 0 in decimal into `out` from `at`, zero-padded to `width` digits; returns the end."""
-    digits = 1
-    while number // 10 ** digits:
-        digits += 1
-    digits = max(digits, width)
+    digits = max(decimal_digits(number), width)
     for k in range(digits):
         out[at + digits - 1 - k] = 48 + number % 10
         number //= 10
@@ -380,9 +387,10 @@ def write_text(out, at, text):
     return at + len(text)
 
 
-def write_rounded(out, at, value, ndigits, scale, limit):
+def write_rounded(out, at, value, ndigits, scale, positional, limit):
     """`repr(round(value, ndigits))` into `out` from `at` for |value| < `limit` (10 ** (15 - ndigits)), NaN
-    and inf; '?' for any other (the caller writes those). Returns the end."""
+    and inf; '?' for any other (the caller writes those). `scale` is 10 ** ndigits, `positional` the
+    rounded multiple from which repr prints positionally (1e-4 * scale). Returns the end."""
     if value != value:
         return write_text(out, at, "nan")
     magnitude = abs(value)
@@ -397,7 +405,7 @@ def write_rounded(out, at, value, ndigits, scale, limit):
     number = scaled_to_integer(magnitude, scale)
     if number == 0:
         return write_text(out, at, "0.0")
-    if number >= scale // 10 ** 4:     # >= 1e-4: repr prints it positionally, zeros after the point dropped
+    if number >= positional:          # >= 1e-4: repr prints it positionally, zeros after the point dropped
         at = write_digits(out, at, number // scale, 1)
         out[at] = _POINT
         fraction, width = number % scale, ndigits
@@ -409,9 +417,7 @@ def write_rounded(out, at, value, ndigits, scale, limit):
     while number % 10 == 0:
         number //= 10
         exponent += 1
-    digits = 1
-    while number // 10 ** digits:
-        digits += 1
+    digits = decimal_digits(number)
     exponent += digits - 1
     leading = number // 10 ** (digits - 1)
     out[at] = 48 + leading
@@ -427,18 +433,19 @@ def rounded_texts_loop(values, columns, ndigits):
     """`write_rounded` of every value, `columns` to a line: values joined by ',', lines by '\\n'. Returns the
     bytes buffer and its length used. 1 <= ndigits <= 15."""
     scale = np.int64(10) ** ndigits
-    limit = 10.0 ** (15 - ndigits)
+    positional, limit = scale // 10 ** 4, 10.0 ** (15 - ndigits)
     out = np.empty(values.size * 32 + 1, np.uint8)   # a value takes at most 1 + 15 + 1 + 15 bytes
     at = 0
     for k in range(values.size):
         if k:
             out[at] = _NEWLINE if k % columns == 0 else _COMMA
             at += 1
-        at = write_rounded(out, at, values[k], ndigits, scale, limit)
+        at = write_rounded(out, at, values[k], ndigits, scale, positional, limit)
     return out, at
 
 
 # Each compiled where it is defined, so that the functions calling it take the compiled one.
-wide_product, scaled_to_integer, write_digits, write_text, write_rounded = (
-    _jit(function) for function in (wide_product, scaled_to_integer, write_digits, write_text, write_rounded))
+wide_product, scaled_to_integer, decimal_digits, write_digits, write_text, write_rounded = (
+    _jit(function) for function in (wide_product, scaled_to_integer, decimal_digits, write_digits, write_text,
+                                    write_rounded))
 rounded_texts = _jit(rounded_texts_loop)

@@ -122,8 +122,8 @@ class GradientSums:
     def close(self, index: int, grad) -> None:
         """The closer's hook: its gradient ends the micro-batch; every list goes into the sums."""
         self._list(index, self._names.get(index, "")).append(grad)
-        filled = [arrived for arrived in self._arrived.values() if arrived]
-        if len(filled) < self._filled or any(len(arrived) > 1 for arrived in filled):
+        lengths = list(map(len, self._arrived.values()))
+        if len(lengths) - lengths.count(0) < self._filled or max(lengths) > 1:
             self.closer = None   # the backward pass gave its gradients in another order: learn it again
         self.flush()
 
@@ -210,10 +210,9 @@ class GradientSums:
     def _add_table(self, table: np.ndarray, finishing: List[int]) -> None:
         ops, eps = (self._stats.ops, self._stats.eps) if self._stats is not None else ((), 0.0)
         rows, redo = adds_at(table, eps, SMALL, statistic_codes(ops), len(finishing))
-        unsure = set(redo.tolist())   # NaN or inf: numpy's rules, when the statistics are asked for
-        for row, index in enumerate(finishing):
-            if row not in unsure:
-                self._finished[index] = (self._counts[index], rows[row], ops, eps)
+        self._finished.update(zip(finishing, zip(map(self._counts.get, finishing), rows, repeat(ops), repeat(eps))))
+        for row in redo.tolist():   # NaN or inf: numpy's rules, when the statistics are asked for
+            del self._finished[finishing[row]]
 
     def _sum_memory(self, index: int, name: str, shape, dtype, address: int) -> Tuple[np.ndarray, bool]:
         """The flat sum of `index` and whether this is its first micro-batch (the sum made at it: shape

@@ -217,6 +217,29 @@ def layout(shape, dtype) -> Tuple[Tuple[int, ...], str]:
     return tuple(map(int, shape)), dtype_name(dtype)
 
 
+def layouts(raw: Sequence[tuple]) -> List[Tuple[Tuple[int, ...], str]]:
+    """`layout` of each (shape, dtype), by `map`s over all of them: a step's hundreds of tensors share a few
+    dozen shapes (remembered) and mostly one dtype object (named once)."""
+    if not raw:
+        return []
+    shapes, dtypes = zip(*raw)
+    names = [dtype_name(dtypes[0])] * len(dtypes) if dtypes.count(dtypes[0]) == len(dtypes) else \
+        list(map(dtype_name, dtypes))
+    try:
+        known = list(map(_SHAPES.get, shapes))
+    except TypeError:   # a shape that is not a tuple
+        known = [None]
+    if None in known:
+        known = [tuple(map(int, shape)) for shape in shapes]
+        if len(_SHAPES) < _SHAPES_KEPT:
+            _SHAPES.update(zip(map(tuple, shapes), known))
+    return list(zip(known, names))
+
+
+_SHAPES: Dict[tuple, Tuple[int, ...]] = {}   # a shape as a tensor gives it -> as plain ints
+_SHAPES_KEPT = 1 << 14
+
+
 class Gathered(NamedTuple):
     """The statistics of the tensors of one point and micro-step taken with one `ops` (ops may change while
     training), as `TensorStats.results()` gives them: values float64 [tensors, ops], layouts each tensor's
@@ -370,7 +393,7 @@ class TensorStats:
         gathered = []
         for (point, micro_step, ops), batch in self._batches.items():
             values = [v if isinstance(v, np.ndarray) else next(host).reshape(-1, len(ops)) for v in batch.values]
-            gathered.append(Gathered(point, micro_step, batch.names, [layout(*raw) for raw in batch.layouts],
+            gathered.append(Gathered(point, micro_step, batch.names, layouts(batch.layouts),
                                      values[0] if len(values) == 1 else np.concatenate(values), ops))
         return gathered
 

@@ -9,6 +9,8 @@ Example:
 import logging
 import os
 from collections import defaultdict
+from itertools import compress, groupby, repeat
+from operator import attrgetter, itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindmon.engine import RunInfo, Sink
@@ -16,6 +18,7 @@ from mindmon.formats import msprobe_csv as fmt
 from mindmon.records import TensorStatsRecord
 
 logger = logging.getLogger("mindmon")
+_KIND_AND_STEP = attrgetter("kind", "step")
 
 
 class MsprobeCsvSink(Sink):
@@ -59,15 +62,11 @@ class MsprobeCsvSink(Sink):
         if self.folder is None:
             self.open(RunInfo())
         by_file = defaultdict(list)
-        paths: Dict[Tuple[str, int], str] = {}   # (kind, step) -> file: thousands of records share a few
-        for record in records:
-            if isinstance(record, TensorStatsRecord):
-                path = paths.get((record.kind, record.step))
-                if path is None:
-                    first, last = fmt.step_range(record.step - 1, self.step_count_per_record)
-                    path = paths[(record.kind, record.step)] = os.path.join(
-                        self.folder, fmt.file_name(record.kind, first, last))
-                by_file[path].append(record)
+        ours = list(compress(records, map(isinstance, records, repeat(TensorStatsRecord))))
+        # thousands of records, in runs of one (kind, step): grouped run by run, with no Python per record
+        for (kind, step), run in groupby(zip(map(_KIND_AND_STEP, ours), ours), key=itemgetter(0)):
+            first, last = fmt.step_range(step - 1, self.step_count_per_record)
+            by_file[os.path.join(self.folder, fmt.file_name(kind, first, last))] += map(itemgetter(1), run)
         if by_file:
             os.makedirs(self.folder, exist_ok=True)
         files = [(file_records, self._header(path, file_records)) for path, file_records in by_file.items()]
