@@ -18,6 +18,38 @@ def test_jsonl_line_is_json_dumps_of_the_fields(value, name, micro_step):
     assert jsonl.decode(expected) == record
 
 
+def test_jsonl_lines_of_many_records_are_each_records_line():
+    """`encode_many` (field by field over a step's records, the part before the name made once per step,
+    micro-step, rank and kind) gives `json.dumps` of each record's fields: over two steps (the second with
+    names not seen before), and with a record among them the field-by-field way does not take (NaN, an int,
+    a list value, an iteration, a tensor-statistics record)."""
+    import math
+
+    from mindmon.records import TensorStatsRecord
+
+    def expected(record):
+        value = record.value
+        fields = {"step": record.step, "micro_step": record.micro_step, "rank": record.rank, "kind": record.kind,
+                  "name": record.name, "value": None if isinstance(value, float) and math.isnan(value) else value}
+        fields.update({"nonfinite": "nan"} if fields["value"] is None else {})
+        fields.update({"iter": record.iteration} if record.iteration is not None else {})
+        if isinstance(record, TensorStatsRecord):
+            fields.update(ops=list(record.ops), shape=list(record.shape), dtype=record.dtype)
+        return json.dumps(fields)
+
+    for step in (1, 2):
+        plain = [Record(step, micro, 0, kind, f"layers.{step}.{index}", 0.25 * index - 1.5)
+                 for micro in (None, 0, 1) for kind in ("local_norm", "local_loss") for index in range(4)]
+        assert jsonl.encode_many(plain) == [expected(record) for record in plain]
+        others = [Record(step, None, 3, "odd", "nan", math.nan), Record(step, 0, 3, "count", "int", 7),
+                  Record(step, 0, 3, "tokens", "list", [1, 2]), Record(step, 0, 3, "tokens", "it", 1.5, iteration=9),
+                  TensorStatsRecord(step, None, 3, "grad_reduced", "w", [0.5], ops=("min",), shape=(2,),
+                                    dtype="Float32")]
+        for other in others:
+            mixed = plain[:3] + [other] + plain[3:6]
+            assert jsonl.encode_many(mixed) == [expected(record) for record in mixed]
+
+
 def test_a_step_is_one_logging_call_with_every_line(caplog):
     import logging
 

@@ -20,7 +20,9 @@ import json
 import math
 import os
 import sys
-from typing import List, Tuple
+from itertools import repeat
+from operator import attrgetter
+from typing import List, Sequence, Tuple
 
 from mindmon.records import Record, TensorStatsRecord
 from mindmon.formats.layout import rank_dir, rank_in_path
@@ -66,6 +68,42 @@ def encode(record: Record) -> str:
         return (f'{{"step": {int(record.step)}, "micro_step": {micro_step}, "rank": {int(record.rank)}, '
                 f'"kind": {_quoted(record.kind)}, "name": {_quoted(record.name)}, "value": {value!r}}}')
     return _encode_general(record)
+
+
+def encode_many(records: Sequence[Record]) -> List[str]:
+    """`encode` of each record. When every record is a plain Record of a finite float (the thousand a step
+    `train_state` makes), the lines are made field by field over all of them: the part before the name is
+    the same for every record of one (step, micro-step, rank, kind) and made once for it."""
+    count = len(records)
+    values = list(map(_VALUE, records))
+    if not (list(map(type, records)).count(Record) == count and list(map(type, values)).count(float) == count
+            and list(map(_ITERATION, records)).count(None) == count and all(map(math.isfinite, values))):
+        return list(map(encode, records))
+    heads = list(map(_HEADS.get, map(_HEAD_FIELDS, records)))
+    if None in heads:
+        heads = list(map(_head, map(_HEAD_FIELDS, records)))
+    names = list(map(_QUOTED.get, map(_NAME, records)))
+    if None in names:
+        names = list(map(_quoted, map(_NAME, records)))
+    return list(map("".join, zip(heads, names, repeat(', "value": '), map(repr, values), repeat("}"))))
+
+
+_VALUE, _NAME, _ITERATION = attrgetter("value"), attrgetter("name"), attrgetter("iteration")
+_HEAD_FIELDS = attrgetter("step", "micro_step", "rank", "kind")
+_HEADS: dict = {}   # (step, micro_step, rank, kind) -> the line up to the name; emptied when it grows
+_HEADS_KEPT = 1 << 12
+
+
+def _head(fields: tuple) -> str:
+    step, micro_step, rank, kind = fields
+    head = _HEADS.get(fields)
+    if head is None:
+        micro = "null" if micro_step is None else int(micro_step)
+        head = f'{{"step": {int(step)}, "micro_step": {micro}, "rank": {int(rank)}, "kind": {_quoted(kind)}, "name": '
+        if len(_HEADS) >= _HEADS_KEPT:   # heads of past steps
+            _HEADS.clear()
+        _HEADS[fields] = head
+    return head
 
 
 def _encode_general(record: Record) -> str:

@@ -25,8 +25,9 @@ never writes: `{ step:[    1/    3], loss:   4.844477, ..., lr: 1.5e-03, grad_no
 """
 import json
 import re
-from itertools import groupby
-from typing import List, Optional
+from itertools import compress, groupby, repeat
+from operator import attrgetter, eq, is_not
+from typing import Dict, List, Optional
 
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
                        LOSS_SCALE_KINDS,
@@ -79,17 +80,37 @@ def _norm_block(marker: str, kind: str, norms: List[Record]) -> List[str]:
     """A group marker, then one line per parameter norm (none at all without norms)."""
     if not norms:
         return []
-    return [marker] + [f'{{ "{kind}": {r.name}: {r.value:.6f} }}' for r in norms]
+    line = f'{{ "{kind}": %s: %.6f }}'.__mod__
+    return [marker] + list(map(line, zip(map(_NAME, norms), map(_VALUE, norms))))
 
 
-def _micro_step_lines(micro_step: int, records: List[Record]) -> List[str]:
-    norms = [r for r in records if r.kind == LOCAL_NORM]
+def _micro_step_lines(micro_step: int, norms: List[Record], losses: List[Record], tokens: List[Record]
+                      ) -> List[str]:
     lines = _norm_block(f'{{ "step": {norms[0].step}, "micro_step": {micro_step} }}' if norms else "",
                         LOCAL_NORM, norms)
-    lines.extend(f'{{ "micro_step": {micro_step}, "local_loss": {loss_text(r.value)} }}'
-                 for r in records if r.kind == LOCAL_LOSS)
-    lines.extend(tokens_per_expert_line(r) for r in records if r.kind == TOKENS_PER_EXPERT)
+    lines.extend(f'{{ "micro_step": {micro_step}, "local_loss": {loss_text(r.value)} }}' for r in losses)
+    lines.extend(tokens_per_expert_line(r) for r in tokens)
     return lines
+
+
+_KIND, _NAME, _VALUE, _MICRO_STEP = (attrgetter(field) for field in ("kind", "name", "value", "micro_step"))
+
+
+def _by_kind(records: List[Record], kinds: List[str]) -> Dict[str, List[Record]]:
+    """The records of each kind, in their order: one `compress` over the records per kind (a step has a
+    thousand records of a handful of kinds)."""
+    return {kind: list(compress(records, map(eq, kinds, repeat(kind)))) for kind in dict.fromkeys(kinds)}
+
+
+def _of_kinds(records: List[Record], kinds: List[str], wanted) -> List[Record]:
+    """The records whose kind is in `wanted`, in their order."""
+    return list(compress(records, map(wanted.__contains__, kinds)))
+
+
+def _by_micro_step(records: List[Record]) -> Dict[int, List[Record]]:
+    """The records with a micro-step, by micro-step (ascending), each in their order."""
+    ordered = sorted(compress(records, map(is_not, map(_MICRO_STEP, records), repeat(None))), key=_MICRO_STEP)
+    return {micro_step: list(group) for micro_step, group in groupby(ordered, key=_MICRO_STEP)}
 
 
 def loss_scale_line(records: List[Record]) -> List[str]:
@@ -126,8 +147,8 @@ def read_loss_scale_line(match) -> List[tuple]:
 def _max_logit_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     lines = []
     for record in records:
-        if record.kind != MAX_ATTENTION_LOGIT and record.kind not in MAX_LOGIT_SUMMARY_NAMES:
-            continue   # a thousand norm records a step pass here
+        if record.kind not in _MAX_LOGIT_KINDS:
+            continue
         prefix = step_prefix(record.step, max_steps) + MAX_ATTENTION_LOGIT + "/"
         if record.kind == MAX_ATTENTION_LOGIT:
             lines.append(f"{prefix}{record.name}: [{', '.join(_head_text(v) for v in record.value)}]")
@@ -136,18 +157,24 @@ def _max_logit_lines(records: List[Record], max_steps: Optional[int]) -> List[st
     return lines
 
 
+_MAX_LOGIT_KINDS = frozenset((MAX_ATTENTION_LOGIT, *MAX_LOGIT_SUMMARY_NAMES))
+
+
 def format_lines(records: List[Record], max_steps: Optional[int] = None) -> List[str]:
     """The lines of one step's records, in the documented order. Kinds without a line (micro_norm,
     the MoE summaries, the trainer's step values) are left to the other sinks."""
+    kinds = list(map(_KIND, records))
+    by_kind = _by_kind(records, kinds)
+    per_micro_step = [_by_micro_step(by_kind.get(kind, [])) for kind in (LOCAL_NORM, LOCAL_LOSS, TOKENS_PER_EXPERT)]
     lines = []
-    micro = sorted((r for r in records if r.micro_step is not None), key=lambda r: r.micro_step)
-    for micro_step, group in groupby(micro, key=lambda r: r.micro_step):
-        lines += _micro_step_lines(micro_step, list(group))
-    device_norms = [r for r in records if r.kind == DEVICE_NORM]
+    for micro_step in sorted(set().union(*per_micro_step)):
+        lines += _micro_step_lines(micro_step, *(kind.get(micro_step, []) for kind in per_micro_step))
+    device_norms = by_kind.get(DEVICE_NORM, [])
     lines += _norm_block(f'{{ "step": {device_norms[0].step} }}' if device_norms else "", DEVICE_NORM, device_norms)
-    lines.extend(f'{{ "step": {r.step}, "device_loss": {loss_text(r.value)} }}'
-                 for r in records if r.kind == DEVICE_LOSS)
-    return lines + loss_scale_line(records) + loss_components_line(records) + _max_logit_lines(records, max_steps)
+    lines.extend(f'{{ "step": {r.step}, "device_loss": {loss_text(r.value)} }}' for r in by_kind.get(DEVICE_LOSS, []))
+    return lines + loss_scale_line(_of_kinds(records, kinds, LOSS_SCALE_KINDS)) + \
+        loss_components_line(by_kind.get(LOSS_COMPONENT_STEP, [])) + \
+        _max_logit_lines(_of_kinds(records, kinds, _MAX_LOGIT_KINDS), max_steps)
 
 
 def parse_heads(text: str) -> List[float]:

@@ -42,5 +42,5 @@ class JsonlSink(LinesFileSink):
 
     def lines(self, records: Sequence[Record]) -> List[str]:
         if self._suffix:
-            return [jsonl.encode(record)[:-1] + self._suffix + "}" for record in records]
-        return [jsonl.encode(record) for record in records]
+            return [line[:-1] + self._suffix + "}" for line in jsonl.encode_many(records)]
+        return jsonl.encode_many(records)
