@@ -64,9 +64,7 @@ def encode(record: Record) -> str:
     Record) is built directly, a thousand times a step."""
     value = record.value
     if type(record) is Record and type(value) is float and math.isfinite(value) and record.iteration is None:
-        micro_step = "null" if record.micro_step is None else int(record.micro_step)
-        return (f'{{"step": {int(record.step)}, "micro_step": {micro_step}, "rank": {int(record.rank)}, '
-                f'"kind": {_quoted(record.kind)}, "name": {_quoted(record.name)}, "value": {value!r}}}')
+        return f'{_head(_HEAD_FIELDS(record))}{_quoted(record.name)}, "value": {value!r}}}'
     return _encode_general(record)
 
 

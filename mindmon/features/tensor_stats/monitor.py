@@ -113,14 +113,13 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     repeated = np.zeros(len(tensors), dtype=bool)
     repeated[1:] = list(map(is_, tensors[1:], tensors[:-1]))
     sizes = np.array(list(map(math.prod, shapes)), dtype=np.int64)
-    located = np.array(addresses, dtype=np.int64) != 0
-    located &= (sizes != 0) & ~repeated
+    address_array = np.array(addresses, dtype=np.int64)
+    located = (address_array != 0) & (sizes != 0) & ~repeated
     rows_located = np.flatnonzero(located)
     if rows_located.size:
         table = np.empty((rows_located.size, 4), dtype=np.int64)   # row, address, size, 0-dim
-        table[:, 0], table[:, 1], table[:, 2] = rows_located, [addresses[i] for i in rows_located.tolist()], \
-            sizes[rows_located]
-        table[:, 3] = [not shapes[i] for i in rows_located.tolist()]
+        table[:, 0], table[:, 1], table[:, 2] = rows_located, address_array[rows_located], sizes[rows_located]
+        table[:, 3] = np.array(list(map(len, shapes)), dtype=np.int64)[rows_located] == 0
         rows, redo = reductions_at(table.reshape(-1), eps, SMALL, statistic_codes(ops), len(tensors))
         for index in table[redo, 0].tolist():   # NaN or inf: numpy's rules
             rows[index] = numpy_stats(direct_view(tensors[index], "Float32"), ops, eps, not shapes[index])
