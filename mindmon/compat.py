@@ -176,7 +176,8 @@ def _tensor_core(mindspore) -> type:
     try:
         probe = mindspore.Tensor([[0.0, 0.0]], mindspore.float32)
         same = (isinstance(probe, core) and probe._shape == probe.shape and probe._dtype is probe.dtype
-                and core.is_contiguous(probe) == probe.is_contiguous() and callable(core._data_ptr))
+                and core.is_contiguous(probe) == probe.is_contiguous() and callable(core._data_ptr)
+                and probe._size == 2)
     except Exception:   # noqa: BLE001 - any difference means: the public attributes
         same = False
     return core if same else _NoCore

@@ -160,3 +160,24 @@ def test_is_floating_names_the_types_a_gradient_flows_to():
     others = [ms.int8, ms.int32, ms.int64, ms.uint8, ms.bool_, ms.complex64]
     assert [is_floating(d) for d in floating + others] == [True] * len(floating) + [False] * len(others)
     assert all(is_floating(d) == ms.Tensor([1], d).is_floating_point() for d in floating + others[:-1])
+
+
+def test_element_count_adds_the_tensors_sizes_however_they_are_read(monkeypatch):
+    """`element_count` is the sum of the tensors' element counts: contiguous, strided, 0-dim and empty
+    MindSpore tensors, with an array standing for a tensor among them, and where MindSpore's C++ class does
+    not give what `_tensor_core` checks."""
+    from mindmon.features.tensor_stats.monitor import HostTensor
+    from mindmon.kernels.stats import element_count
+
+    base = ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+    tensors = [base, base[:, 1:3], ms.Tensor(np.float32(2.0)), ms.Tensor(np.ones((2, 0), np.float32)),
+               ms.Tensor(np.ones(5, np.float16))]
+    want = 12 + 6 + 1 + 0 + 5
+    assert element_count(tensors) == want
+    assert element_count(tensors + [HostTensor(np.zeros((2, 3), np.float32), "Float32")]) == want + 6
+
+    class Other:
+        pass
+
+    monkeypatch.setattr(compat, "_MINDSPORE_TYPES", [compat.MindSporeTypes(ms.Tensor, ms.float32, Other)])
+    assert element_count(tensors) == want

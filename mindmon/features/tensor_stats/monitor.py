@@ -36,7 +36,7 @@ from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_
                                                   OPS, PARAM_ORIGIN, PARAM_UPDATED, POINTS)
 from mindmon.records import Record, TensorStatsRecord
 from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at, row_reductions_at
-from mindmon.kernels.stats import (SMALL, StepDirectViews, direct_view, float32_memories, float32_memory,
+from mindmon.kernels.stats import (SMALL, StepDirectViews, direct_view, element_count, float32_memories,
                                    float32_runs, host_array)
 
 
@@ -94,21 +94,16 @@ def _root(squared: float, flat: np.ndarray) -> float:
     return math.sqrt(squared) if not math.isnan(squared) else float("nan")
 
 
-def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool,
-                    memory: Optional[Sequence[tuple]] = None) -> Tuple[np.ndarray, List[tuple]]:
+def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool) -> Tuple[np.ndarray, List[tuple]]:
     """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
     gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
     costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
     where they lie: their data pointers go to the compiled code in one call, which writes their rows (0-dim
     ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that cost more than the loop over
     a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one. A tensor
-    given again right after itself (one gradient, several cells' rows) is read once. `memory`: each
-    tensor's `float32_memory`, read already (in its hook: later, MindSpore's data pointer costs ten times
-    as much); else they are read here by `float32_memories`, with no Python frame per tensor."""
-    if memory is None:
-        shapes, dtypes, addresses = float32_memories(tensors, direct)
-    else:
-        shapes, dtypes, addresses = (list(column) for column in zip(*memory)) if memory else ([], [], [])
+    given again right after itself (one gradient, several cells' rows) is read once. Each tensor's shape,
+    dtype and data pointer are read by `float32_memories`, with no Python frame per tensor."""
+    shapes, dtypes, addresses = float32_memories(tensors, direct)
     layouts = list(zip(shapes, dtypes))
     repeated = np.zeros(len(tensors), dtype=bool)
     repeated[1:] = list(map(is_, tensors[1:], tensors[:-1]))
@@ -269,14 +264,13 @@ class _Batch:
     `waiting`: tensors added with `add_later` whose statistics are not taken yet (their names are the last
     of `names`)."""
 
-    __slots__ = ("names", "layouts", "values", "waiting", "memory")
+    __slots__ = ("names", "layouts", "values", "waiting")
 
     def __init__(self):
         self.names: List[str] = []
         self.layouts: List[tuple] = []
         self.values: List[object] = []   # float64 arrays [tensors, ops], or device tensors
         self.waiting: List[object] = []
-        self.memory: List[tuple] = []   # each waiting tensor's `float32_memory`
 
 
 # Elements of the tensors `add_later` holds before it takes their statistics: 64 MiB of float32, enough
@@ -313,18 +307,18 @@ class TensorStats:
         """`add`, for tensors nothing changes in place before `results()` (a step's activations and their
         gradients, not the parameters an optimizer updates): on the host they are held and their statistics
         taken together, when they reach `WAITING_ELEMENTS` or at `results()`. A hook call then costs no
-        compiled call of its own, and one call over many tensors is split between threads."""
+        compiled call of its own and reads nothing of a tensor but its size: the shapes, dtypes and data
+        pointers of everything held are read together, by `map`s (per tensor in the hook, they were a
+        third of what a hook call cost), and one call over many tensors is split between threads."""
         if not self.on_host:
             return self.add(point, named_tensors, micro_step)
+        if not named_tensors:
+            return
         batch = self._batch(point, micro_step, self.ops)
-        direct, waiting = self.direct_views.allowed(), 0
-        for name, tensor in named_tensors:
-            memory = float32_memory(tensor, direct)
-            batch.names.append(name)
-            batch.waiting.append(tensor)
-            batch.memory.append(memory)
-            waiting += math.prod(memory[0])
-        self._waiting_elements += waiting
+        names, tensors = zip(*named_tensors)
+        batch.names += names
+        batch.waiting += tensors
+        self._waiting_elements += element_count(tensors)
         if self._waiting_elements >= WAITING_ELEMENTS:
             self._take_waiting()
 
@@ -346,11 +340,10 @@ class TensorStats:
         ops_sets = {key[2] for key, _ in batches}
         if len(ops_sets) > 1:   # ops changed while tensors waited: one call per ops
             for key, batch in batches:
-                self._take(batch, *host_statistics(batch.waiting, key[2], self.eps, direct, batch.memory))
+                self._take(batch, *host_statistics(batch.waiting, key[2], self.eps, direct))
             return
         tensors = [tensor for _, batch in batches for tensor in batch.waiting]
-        memory = [entry for _, batch in batches for entry in batch.memory]
-        values, layouts = host_statistics(tensors, ops_sets.pop(), self.eps, direct, memory)
+        values, layouts = host_statistics(tensors, ops_sets.pop(), self.eps, direct)
         start = 0
         for _, batch in batches:
             end = start + len(batch.waiting)
@@ -362,7 +355,6 @@ class TensorStats:
         batch.layouts += layouts
         batch.values.append(values)
         batch.waiting.clear()
-        batch.memory.clear()
 
     def _batch(self, point: str, micro_step: Optional[int], ops: Tuple[str, ...]) -> _Batch:
         batch = self._batches.get((point, micro_step, ops))
