@@ -111,6 +111,28 @@ def builtin_hooks_accepted() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def requires_grad_is_told() -> bool:
+    """Whether MindSpore's `_requires_grad` tells which tensors its autograd tracks: on 2.9 a gradient
+    computation's inputs say True inside it and a tensor made outside one says False (no gradient can reach
+    that tensor); 2.7 says False for every tensor. Asked of MindSpore itself, once: one gradient of a
+    one-element function."""
+    import mindspore
+
+    seen = []
+
+    def probe(x):
+        seen.append(bool(getattr(x, "_requires_grad", False)))
+        return x * 2.0
+
+    try:
+        outside = mindspore.Tensor([1.0], mindspore.float32)
+        mindspore.grad(probe)(mindspore.Tensor([1.0], mindspore.float32))
+        return seen == [True] and not getattr(outside, "_requires_grad", True)
+    except Exception:   # noqa: BLE001 - any failure: not told, every tensor treated as tracked
+        return False
+
+
 def dtype_name(dtype) -> str:
     """MindSpore's name of a dtype, `Float32` (what msprobe's CSV files hold). mindnlp makes `str()` of a
     dtype its repr, `mindspore.float32`; that is turned back into the name. Remembered per dtype: it is

@@ -289,6 +289,68 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
             assert abs(value - want) <= RTOL * abs(want), (name, op, value, want)
 
 
+
+
+def test_an_input_autograd_does_not_track_gets_no_marker_and_no_gradient_row(tmp_path, output_root, monkeypatch):
+    """o = scale(fc(x), s) with s a tensor made outside the gradient computation (as a model keeps an
+    attention mask): where MindSpore tells which tensors its autograd tracks, s gets no `InputGradient`
+    marker (an operation in the forward pass it does not need); its forward row stays, it has no gradient
+    row, and the other input's gradient is numpy's."""
+    import json
+
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+
+    from mindmon.compat import requires_grad_is_told
+    from mindmon.features.tensor_stats import activations
+    from mindmon.msprobe import TrainerMon
+
+    class Scale(nn.Cell):
+        def construct(self, a, s):
+            return a * s
+
+    class Net(nn.Cell):
+        def __init__(self, s):
+            super().__init__()
+            self.fc, self.scale, self.s = nn.Dense(4, 6), Scale(), ms.Tensor(s)
+
+        def construct(self, x):
+            return self.scale(self.fc(x), self.s)
+
+    rng = np.random.default_rng(5)
+    x, y, s = (rng.normal(size=shape).astype(np.float32) for shape in ((5, 4), (5, 6), (5, 6)))
+    model = Net(s)
+    model.set_train(True)
+    w, b = (p.asnumpy().astype(np.float64) for p in model.trainable_params())
+    marked = []
+    made = activations.InputGradient
+    monkeypatch.setattr(activations, "InputGradient", lambda hooks, row, micro: marked.append(row) or made(hooks, row, micro))
+    optimizer = nn.SGD(model.trainable_params(), 0.1)
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": ["norm", "max"], "ndigits": 12}))
+    monitor = TrainerMon(str(path), params_have_main_grad=False)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    _, grads = value_and_grad(lambda a, t: nn.MSELoss()(model(a), t), None, optimizer.parameters)(ms.Tensor(x),
+                                                                                                ms.Tensor(y))
+    optimizer(grads)
+    monitor.close()
+    h = x.astype(np.float64) @ w.T + b
+    d_o = 2 * (h * s - y) / y.size
+    told = requires_grad_is_told()
+    assert told == (not ms.__version__.startswith("2.7"))
+    assert ("scale.input_1" in marked) == (not told) and "scale.input_0" in marked
+    rows = rows_of(output_root)
+    assert {name for kind, _, _, name in rows if kind == "actv_grad"} == {".output", "scale.output", "scale.input_0",
+                                                                          "fc.output"}
+    expected = {("actv_grad", "scale.input_0"): d_o * s, ("actv_grad", "fc.output"): d_o * s,
+                ("actv", "scale.input_1"): s.astype(np.float64)}
+    for (kind, name), want_array in expected.items():
+        record = rows[(kind, 0, 0, name)]
+        for op, value in zip(record.ops, record.value):
+            want = statistic(want_array, op)
+            assert abs(value - want) <= RTOL * abs(want), (name, op, value, want)
+
+
 def test_steps_ended_by_forwards_with_skipped_steps(tmp_path, output_root):
     """Without an optimizer (set_monitor(..., optimizer=None), as kj600's hook_modules), a step ends inside
     the root's forward pre-hook, while MindSpore runs the root's pre-hooks. With step_interval 2 over 4

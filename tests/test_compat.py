@@ -181,3 +181,14 @@ def test_element_count_adds_the_tensors_sizes_however_they_are_read(monkeypatch)
 
     monkeypatch.setattr(compat, "_MINDSPORE_TYPES", [compat.MindSporeTypes(ms.Tensor, ms.float32, Other)])
     assert element_count(tensors) == want
+
+
+def test_requires_grad_is_told_where_mindspore_tracks_it():
+    """2.9 and later: a gradient computation's inputs say `_requires_grad` True inside it, a tensor made
+    outside says False; 2.7 says False for every tensor, so it tells nothing."""
+    from mindmon.compat import requires_grad_is_told
+
+    assert requires_grad_is_told() == (not ms.__version__.startswith("2.7"))
+    inside = []
+    ms.grad(lambda x: inside.append(bool(x._requires_grad)) or x * 2.0)(ms.Tensor([1.0], ms.float32))
+    assert inside == [requires_grad_is_told()]

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from mindmon.chunks import names_match
-from mindmon.compat import is_floating, mindspore_types, named_cells, register_gradient_hook
+from mindmon.compat import (is_floating, mindspore_types, named_cells, register_gradient_hook,
+                            requires_grad_is_told)
 from mindmon.config import ConfigError, check_keys, describe
 from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD
 from mindmon.features.tensor_stats.targets import squash_name
@@ -253,6 +254,7 @@ class ActivationHooks:
         self._watched_step: Optional[int] = None
         # (cell's key, input's place, micro-step): its `InputGradient`, made once, used at every collected step
         self._input_gradients: Dict[Tuple[Tuple[str, str], int, int], "InputGradient"] = {}
+        self._requires_grad_told = requires_grad_is_told()   # asked before training, not in a hook
 
     def attach(self, model) -> int:
         """Plans the hooks of every monitored cell, attached while steps are collected (`follow`); returns
@@ -385,13 +387,18 @@ class ActivationHooks:
 
     def _watched_inputs(self, key: Tuple[str, str], values: CellValues, inputs: tuple) -> Optional[tuple]:
         """The cell's inputs with each floating one the spec picks passed through its `InputGradient`'s
-        marker; None (the inputs as they are) where the spec picks none."""
+        marker; None (the inputs as they are) where the spec picks none. An input MindSpore says its
+        autograd does not track (`requires_grad_is_told`: an attention mask, a rotary table) gets no marker:
+        no gradient reaches it, and a marker costs an operation in the forward pass (68 a step of the
+        benchmark's model, 40 us each)."""
         rows = self._pick(key, values.picked, (inputs,))
         if not rows:
             return None
         micro_step, replaced = self.micro_steps.current, list(inputs)
         core = mindspore_types().core
         for row, place, tensor in rows:
+            if self._requires_grad_told and not getattr(tensor, "_requires_grad", True):
+                continue
             if is_floating(tensor._dtype if isinstance(tensor, core) else tensor.dtype):
                 marker = self._input_gradients.get((key, place, micro_step))
                 if marker is None:
