@@ -51,6 +51,27 @@ def assert_statistics(rows, reference, ndigits=12):
             assert abs(value - want) <= tolerance, f"{key} {op}: CSV {value!r}, numpy {want!r}"
 
 
+def one_monitored_step(tmp_path, model, x, y, config):
+    """One SGD step of `model` on the MSE loss of (x, y), with TrainerMon collecting `config` (ops norm and
+    max, 12 digits)."""
+    import json
+
+    import mindspore as ms
+    from mindspore import nn, value_and_grad
+
+    from mindmon.msprobe import TrainerMon
+
+    optimizer = nn.SGD(model.trainable_params(), 0.1)
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps({**config, "ops": ["norm", "max"], "ndigits": 12}))
+    monitor = TrainerMon(str(path), params_have_main_grad=False)
+    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
+    _, grads = value_and_grad(lambda a, b: nn.MSELoss()(model(a), b), None, optimizer.parameters)(ms.Tensor(x),
+                                                                                                ms.Tensor(y))
+    optimizer(grads)
+    monitor.close()
+
+
 def test_every_cell_forward_and_backward_matches_numpy(tmp_path, output_root):
     run(tmp_path, {"xy_distribution": True, "all_xy": True, "ops": OPS, "ndigits": 12})
     rows = rows_of(output_root)
@@ -245,12 +266,7 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
     """h = fc1(x) feeds fc2 and also a residual (o = fc2(h) + h). fc2's `input` gradient is fc2's share of
     d loss / d h (d_o @ W2), not the total (d_o @ W2 + d_o) that fc1's `output` gradient is (what a cell
     backward hook gives as grad_input; a tensor hook on h would give the total). Against float64 numpy."""
-    import json
-
-    import mindspore as ms
-    from mindspore import nn, value_and_grad
-
-    from mindmon.msprobe import TrainerMon
+    from mindspore import nn
 
     class Residual(nn.Cell):
         def __init__(self):
@@ -266,16 +282,7 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
     model = Residual()
     model.set_train(True)
     w1, b1, w2, b2 = (p.asnumpy().astype(np.float64) for p in model.trainable_params())
-    optimizer = nn.SGD(model.trainable_params(), 0.1)
-    path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps({"xy_distribution": True, "backward_only": True, "ops": ["norm", "max"],
-                                "ndigits": 12}))
-    monitor = TrainerMon(str(path), params_have_main_grad=False)
-    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
-    _, grads = value_and_grad(lambda a, b: nn.MSELoss()(model(a), b), None, optimizer.parameters)(ms.Tensor(x),
-                                                                                                ms.Tensor(y))
-    optimizer(grads)
-    monitor.close()
+    one_monitored_step(tmp_path, model, x, y, {"xy_distribution": True, "backward_only": True})
     h = x.astype(np.float64) @ w1.T + b1
     o = h @ w2.T + b2 + h
     d_o = 2 * (o - y) / o.size
@@ -290,20 +297,16 @@ def test_input_gradient_is_the_cells_share_where_the_input_has_other_users(tmp_p
 
 
 
-
 def test_an_input_autograd_does_not_track_gets_no_marker_and_no_gradient_row(tmp_path, output_root, monkeypatch):
     """o = scale(fc(x), s) with s a tensor made outside the gradient computation (as a model keeps an
     attention mask): where MindSpore tells which tensors its autograd tracks, s gets no `InputGradient`
     marker (an operation in the forward pass it does not need); its forward row stays, it has no gradient
     row, and the other input's gradient is numpy's."""
-    import json
-
     import mindspore as ms
-    from mindspore import nn, value_and_grad
+    from mindspore import nn
 
     from mindmon.compat import requires_grad_is_told
     from mindmon.features.tensor_stats import activations
-    from mindmon.msprobe import TrainerMon
 
     class Scale(nn.Cell):
         def construct(self, a, s):
@@ -325,15 +328,7 @@ def test_an_input_autograd_does_not_track_gets_no_marker_and_no_gradient_row(tmp
     marked = []
     made = activations.InputGradient
     monkeypatch.setattr(activations, "InputGradient", lambda hooks, row, micro: marked.append(row) or made(hooks, row, micro))
-    optimizer = nn.SGD(model.trainable_params(), 0.1)
-    path = tmp_path / "monitor_config.json"
-    path.write_text(json.dumps({"xy_distribution": True, "all_xy": True, "ops": ["norm", "max"], "ndigits": 12}))
-    monitor = TrainerMon(str(path), params_have_main_grad=False)
-    monitor.set_monitor(model, grad_acc_steps=1, optimizer=optimizer)
-    _, grads = value_and_grad(lambda a, t: nn.MSELoss()(model(a), t), None, optimizer.parameters)(ms.Tensor(x),
-                                                                                                ms.Tensor(y))
-    optimizer(grads)
-    monitor.close()
+    one_monitored_step(tmp_path, model, x, y, {"xy_distribution": True, "all_xy": True})
     h = x.astype(np.float64) @ w.T + b
     d_o = 2 * (h * s - y) / y.size
     told = requires_grad_is_told()
