@@ -1,6 +1,8 @@
 """A step end makes thousands of short-lived records; Python's cycle collector must not run over them (it
 moved them to older generations, which brought on a full collection every few steps), and the program's own
-collector setting must be what it was afterwards."""
+collector setting must be what it was afterwards. Switched back on after them, the collector may run once over
+the youngest generation (CPython counts a small tuple freed to its free list as still allocated, so the step
+end's shape tuples leave the count high): no record is alive then."""
 import csv
 import gc
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from mindmon.group import MonitorGroup
+from mindmon.records import TensorStatsRecord
 from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 
@@ -26,8 +29,13 @@ def _group_with_rows(tmp_path):
 
 
 def _flush_counting_collections(group):
+    """(generation, records alive) of each collection that starts while the group flushes."""
     collections = []
-    callback = lambda phase, info: collections.append(info["generation"]) if phase == "start" else None  # noqa: E731
+
+    def callback(phase, info):
+        if phase == "start":
+            alive = sum(isinstance(o, TensorStatsRecord) for o in gc.get_objects())
+            collections.append((info["generation"], alive))
     gc.collect()   # the count of allocations starts from 0: a collection now means the step end's own
     gc.callbacks.append(callback)
     try:
@@ -38,7 +46,7 @@ def _flush_counting_collections(group):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_no_collection_runs_during_a_step_end_and_the_setting_is_restored(tmp_path, enabled):
+def test_no_collection_runs_over_a_step_ends_records_and_the_setting_is_restored(tmp_path, enabled):
     group, arrays = _group_with_rows(tmp_path)
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
@@ -48,7 +56,7 @@ def test_no_collection_runs_during_a_step_end_and_the_setting_is_restored(tmp_pa
     finally:
         (gc.enable if was else gc.disable)()
         group.close()
-    assert collections == []
+    assert collections in ([], [(0, 0)]) if enabled else collections == []
     rows = list(csv.DictReader(open(next(tmp_path.rglob("actv_*.csv")))))
     assert len(rows) == TENSORS
     for i in (0, 1234, TENSORS - 1):   # the rows are the tensors' statistics (numpy, float64)
