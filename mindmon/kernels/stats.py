@@ -137,15 +137,16 @@ def float32_memories(tensors: Sequence, direct: bool) -> Tuple[List, List, List[
     return shapes, dtypes, [float32_memory(tensor, direct)[2] for tensor in tensors]
 
 
-_SHAPE, _DTYPE, _SIZE = attrgetter("_shape"), attrgetter("_dtype"), attrgetter("_size")
+_SHAPE, _DTYPE = attrgetter("_shape"), attrgetter("_dtype")
 
 
 def element_count(tensors: Sequence) -> int:
-    """How many elements the tensors hold together: one `map` over MindSpore's C++ `_size` when every one
-    is a MindSpore tensor, else each shape's product."""
-    if all(map(isinstance, tensors, repeat(mindspore_types().core))):
-        return sum(map(_SIZE, tensors))
-    return sum(math.prod(tensor.shape) for tensor in tensors)
+    """How many elements the tensors hold together: MindSpore's C++ `_size` of a MindSpore tensor, the
+    shape's product of any other. A plain loop: a hook hands one or two tensors, too few for `map`s to pay."""
+    core, count = mindspore_types().core, 0
+    for tensor in tensors:
+        count += tensor._size if isinstance(tensor, core) else math.prod(tensor.shape)
+    return count
 
 
 def float32_runs(tensor) -> Optional[Tuple[int, int, int, int]]:
