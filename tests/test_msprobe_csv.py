@@ -150,7 +150,8 @@ def test_records_whose_ops_are_the_header_never_take_the_long_way(monkeypatch):
 
 def _stress_values(ndigits):
     """Values around everything _number_texts' compiled writer depends on: decimal ties at ndigits places
-    (near ones, and exact ones: odd multiples of a power of two whose ndigits-place rounding is a true tie),
+    (near ones, and exact ones: odd multiples of a power of two whose ndigits-place rounding is a true tie,
+    the smallest among them too),
     both ends of its range (1e-4, where repr changes form, and 10 ** (15 - ndigits)) and just outside them,
     zeros of both signs, rounding to zero and to the ends, non-finite and subnormal values, random values
     over 30 decades."""
@@ -161,7 +162,9 @@ def _stress_values(ndigits):
     high = 10.0 ** (15 - ndigits)
     ties = ((rng.integers(0, 10 ** 6, size=400) + 0.5) * step).tolist()
     exact_ties = (rng.integers(1, 10 ** 6, size=400) * 2 + 1) / 2.0 ** (ndigits + 1)   # x.5 at 10 ** -ndigits
-    ties += exact_ties.tolist()
+    # and the smallest of them, whose remainder below the rounding point lies in the product's high word
+    smallest_ties = np.arange(1, 64, 2) / 2.0 ** (ndigits + 1)
+    ties += exact_ties.tolist() + smallest_ties.tolist()
     edges = [1e-4, 1.0001e-4, 0.99999e-4, 9.99e-5, 5e-5, high, high * (1 - 1e-12), high * (1 + 1e-12), high / 10,
              high * 9.999, 0.5 * step, 0.49999 * step, 1.5 * step, step, 1e-4 - 0.5 * step, 1e-4 + 0.5 * step,
              0.0, -0.0, 1.0, 2.0, 999.9999999999995, 5e-324, 2.2e-308, 1.7e308, float("nan"), float("inf")]
