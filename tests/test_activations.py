@@ -327,7 +327,8 @@ def test_an_input_autograd_does_not_track_gets_no_marker_and_no_gradient_row(tmp
     w, b = (p.asnumpy().astype(np.float64) for p in model.trainable_params())
     marked = []
     made = activations.InputGradient
-    monkeypatch.setattr(activations, "InputGradient", lambda hooks, row, micro: marked.append(row) or made(hooks, row, micro))
+    monkeypatch.setattr(activations, "InputGradient",
+                        lambda hooks, row, micro: marked.append(row) or made(hooks, row, micro))
     one_monitored_step(tmp_path, model, x, y, {"xy_distribution": True, "all_xy": True})
     h = x.astype(np.float64) @ w.T + b
     d_o = 2 * (h * s - y) / y.size

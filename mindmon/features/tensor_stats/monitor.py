@@ -94,7 +94,8 @@ def _root(squared: float, flat: np.ndarray) -> float:
     return math.sqrt(squared) if not math.isnan(squared) else float("nan")
 
 
-def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool) -> Tuple[np.ndarray, List[tuple]]:
+def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: bool
+                    ) -> Tuple[np.ndarray, List[tuple]]:
     """The statistics of tensors on the host, float64 [tensors, ops], and each tensor's (shape, dtype) as it
     gives them (`layout` turns them into msprobe's text at the step end: in a hook's context every call
     costs several times its warm time). With `direct` (see `direct_views_allowed`), float32 tensors are read
@@ -308,8 +309,8 @@ class TensorStats:
         gradients, not the parameters an optimizer updates): on the host they are held and their statistics
         taken together, when they reach `WAITING_ELEMENTS` or at `results()`. A hook call then costs no
         compiled call of its own and reads nothing of a tensor but its size: the shapes, dtypes and data
-        pointers of everything held are read together, by `map`s (per tensor in the hook, they were a
-        third of what a hook call cost), and one call over many tensors is split between threads."""
+        pointers of everything held are read together at the take, by `map`s (costing about what reading
+        them tensor by tensor in the hooks did), and one call over many tensors is split between threads."""
         if not self.on_host:
             return self.add(point, named_tensors, micro_step)
         if not named_tensors:
