@@ -2,6 +2,7 @@
 record calls on the device path, and read each tensor once on the CPU path. No timing is asserted."""
 import glob
 import json
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +57,16 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     assert actv_floor["tensors"] == len(last_rows) > 0 and actv_floor["one_read_ms"] > 0
     assert actv_floor["elements"] == sum(int(np.prod(row.shape)) for row in last_rows)
     assert "activations' memory floor (numpy, fastest of 7): one read of the" in result.stdout
+    # what their time in mindmon is made of: one HookBackward marker per input gradient row of a step
+    gradient_rows = read_csv(sorted(glob.glob(str(tmp_path / "monitor" / "activations" / "*-rank0-*" /
+                                              "actv_grad_3-3.csv")))[0])
+    input_gradient_rows = [row for row in gradient_rows if re.search(r"\.input(_\d+)?$", row.name)]
+    parts = rows["activations"]["parts_per_step"]
+    assert parts["marker_calls"] == len(input_gradient_rows) > 0 and parts["markers"] > 0
+    assert 0 < parts["statistics"] + parts["markers"] < rows["activations"]["in_mindmon_ms_per_step"]
+    assert rows["tensor_stats"]["parts_per_step"]["marker_calls"] == 0
+    assert 0 < rows["tensor_stats"]["parts_per_step"]["statistics"] < rows["tensor_stats"]["in_mindmon_ms_per_step"]
+    assert "of it (medians of steps): the compiled reads and adds" in result.stdout
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
     # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for

@@ -40,7 +40,7 @@ import tempfile
 import time
 import tracemalloc
 import types
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -349,6 +349,7 @@ class TensorStatsConfiguration(Configuration):
         os.environ["MONITOR_OUTPUT_DIR"] = str(out_dir / name)
         config = parse_tensor_stats({**monitored, "ops": ALL_OPS})
         self.timer = HookTimer()
+        PARTS.install()
         self.monitor = TrainerMon.from_config(config, params_have_main_grad=False)
         self.timer.instrument(self.monitor)
         if monitored.get("xy_distribution"):
@@ -357,8 +358,9 @@ class TensorStatsConfiguration(Configuration):
 
     def step(self) -> "StepTime":
         self.timer.in_step = self.timer.at_end = 0.0
+        parts = dict(PARTS.totals)
         timed = super().step()
-        return replace(timed, in_step=self.timer.in_step, at_end=self.timer.at_end)
+        return replace(timed, in_step=self.timer.in_step, at_end=self.timer.at_end, parts=PARTS.since(parts))
 
     def close(self) -> None:
         self.monitor.close()
@@ -434,6 +436,7 @@ class StepTime:
     at_end: float
     buffer_add: float = 0.0
     collector: float = 0.0   # Python's cycle collector, whatever code it interrupted
+    parts: Dict[str, float] = field(default_factory=dict)   # `PartClocks`' seconds (and calls) in this step
 
     @property
     def in_mindmon(self) -> float:
@@ -457,6 +460,53 @@ class CollectorClock:
 
 
 COLLECTOR = CollectorClock()
+
+
+class PartClocks:
+    """Bench-only: seconds inside two parts of the statistics configurations' time in mindmon, to set
+    against their memory floors. `statistics`: the compiled calls that read the tensors (`host_statistics`,
+    and the gradient sums' `adds_at`), with the Python inside them; `markers`: MindSpore's `HookBackward`
+    ops, which `input_grad` puts before every monitored cell (their forward, recorded for the backward
+    pass; `marker_calls` counts them). Process-wide and installed once, by the first statistics
+    configuration: a step reads the clocks' change. Each timed call costs a Python frame (about a
+    microsecond), charged to the configuration that makes it."""
+
+    NAMES = ("statistics", "markers", "marker_calls")
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.NAMES, 0.0)
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        from mindspore import ops
+
+        from mindmon.features.tensor_stats import accumulate, monitor
+        monitor.host_statistics = self._timed(monitor.host_statistics, "statistics")
+        accumulate.host_statistics = self._timed(accumulate.host_statistics, "statistics")
+        accumulate.adds_at = self._timed(accumulate.adds_at, "statistics")
+        ops.HookBackward.__call__ = self._timed(ops.HookBackward.__call__, "markers", "marker_calls")
+
+    def _timed(self, function, name: str, count: Optional[str] = None):
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+                if count is not None:
+                    totals[count] += 1
+        return timed
+
+    def since(self, before: Dict[str, float]) -> Dict[str, float]:
+        return {name: self.totals[name] - before[name] for name in self.NAMES}
+
+
+PARTS = PartClocks()
 
 
 @dataclass
@@ -535,10 +585,20 @@ def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
             "cpu_ratio_to_off": _median(s.times, "cpu") / _median(base, "cpu"),
             **_in_mindmon(s.times, base, s.norms_in_add),
             "collector_ms_per_step_mean": statistics.mean(t.collector for block in s.times for t in block) * 1e3,
+            "parts_per_step": _parts(s.times),
             "peak_rss_rise_mib": (statistics.median(s.rss_rise_kib) / 1024) if s.rss_rise_kib else None,
             "python_peak_mib": s.python_peak_kib / 1024 if s.python_peak_kib is not None else None,
         })
     return rows
+
+
+def _parts(times: List[List[StepTime]]) -> Dict[str, float]:
+    """Medians per step of `PartClocks`' parts (milliseconds; calls as counted), where a step has them."""
+    steps = [t.parts for block in times for t in block if t.parts]
+    if not steps:
+        return {}
+    return {name: statistics.median(p[name] for p in steps) * (1 if name.endswith("_calls") else 1e3)
+            for name in PartClocks.NAMES}
 
 
 def _in_mindmon(times: List[List[StepTime]], base: List[List[StepTime]], norms_in_add: bool) -> dict:
@@ -825,7 +885,20 @@ def _floor_lines(main: dict) -> List[str]:
                      f"{floor[total]:.1f} ms = {floor[total] / off_step_ms:.2%} of the off step ({config} in mindmon: "
                      f"{in_mindmon:.1f} ms = {in_mindmon / off_step_ms:.2%}, {in_mindmon / floor[total]:.2f}x the "
                      f"floor; wall {ours['ratio_to_off']:.4f}x off)")
+        lines += _parts_line(ours, floor[total])
     return lines
+
+
+def _parts_line(row: dict, floor_ms: float) -> List[str]:
+    """What a statistics configuration's time in mindmon is made of, against its floor (`PartClocks`)."""
+    parts = row.get("parts_per_step")
+    if not parts:
+        return []
+    rest = row["in_mindmon_ms_per_step"] - parts["statistics"] - parts["markers"]
+    markers = (f", MindSpore's HookBackward markers {parts['markers']:.1f} ms ({parts['markers'] / floor_ms:.2f}x; "
+               f"{parts['marker_calls']:.0f} a step)" if parts["marker_calls"] else "")
+    return [f"    of it (medians of steps): the compiled reads and adds {parts['statistics']:.1f} ms "
+            f"({parts['statistics'] / floor_ms:.2f}x the floor){markers}, the rest {rest:.1f} ms ({rest / floor_ms:.2f}x)"]
 
 
 def _reference_line(main: dict) -> List[str]:
