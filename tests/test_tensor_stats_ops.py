@@ -212,3 +212,23 @@ def test_held_tensors_keep_their_order_among_rows_taken_at_once_and_are_let_go()
     assert got == [("actv", 0, ["a", "b", "c", "d"], [row(n) for n in "abcd"]), ("actv_grad", 1, ["c"], [row("c")])]
     gc.collect()
     assert held() is None
+
+
+def test_a_tensor_given_more_than_once_is_read_once(monkeypatch):
+    """One tensor at several places of one call (a cell's output that is the next cells' input), adjacent
+    or not: the compiled read gets it once, and each of its rows holds its own statistics (numpy's)."""
+    import mindspore as ms
+
+    from mindmon.features.tensor_stats import monitor
+
+    read = []
+    original = monitor.reductions_at
+    monkeypatch.setattr(monitor, "reductions_at", lambda table, *args: read.append(table.size // 4) or
+                        original(table, *args))
+    arrays = [np.array([1.0, -2.0, 4.0], np.float32), np.array([0.5, 3.0], np.float32)]
+    a, b = ms.Tensor(arrays[0]) * 1, ms.Tensor(arrays[1]) * 1
+    ops = ("min", "max", "mean", "norm")
+    rows, layouts = monitor.host_statistics([a, b, a, a, b], ops, EPS, True)
+    want = [[x.min(), x.max(), x.mean(), np.linalg.norm(x)] for x in (v.astype(np.float64) for v in arrays)]
+    np.testing.assert_allclose(rows, [want[0], want[1], want[0], want[0], want[1]], rtol=1e-6)
+    assert read == [2] and [tuple(shape) for shape, _ in layouts] == [(3,), (2,), (3,), (3,), (2,)]

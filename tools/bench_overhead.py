@@ -464,8 +464,9 @@ COLLECTOR = CollectorClock()
 
 class PartClocks:
     """Bench-only: seconds inside two parts of the statistics configurations' time in mindmon, to set
-    against their memory floors. `statistics`: the compiled calls that read the tensors (`host_statistics`,
-    and the gradient sums' `adds_at`), with the Python inside them; `markers`: MindSpore's `HookBackward`
+    against their memory floors. `statistics`: the compiled calls that read the tensors where they lie
+    (`reductions_at`, `row_reductions_at` for strided ones, the gradient sums' `adds_at`; with their hand-off
+    to helper threads); `markers`: MindSpore's `HookBackward`
     ops, which `input_grad` puts before every monitored cell (their forward, recorded for the backward
     pass; `marker_calls` counts them). Process-wide and installed once, by the first statistics
     configuration: a step reads the clocks' change. Each timed call costs a Python frame (about a
@@ -484,8 +485,8 @@ class PartClocks:
         from mindspore import ops
 
         from mindmon.features.tensor_stats import accumulate, monitor
-        monitor.host_statistics = self._timed(monitor.host_statistics, "statistics")
-        accumulate.host_statistics = self._timed(accumulate.host_statistics, "statistics")
+        monitor.reductions_at = self._timed(monitor.reductions_at, "statistics")
+        monitor.row_reductions_at = self._timed(monitor.row_reductions_at, "statistics")
         accumulate.adds_at = self._timed(accumulate.adds_at, "statistics")
         ops.HookBackward.__call__ = self._timed(ops.HookBackward.__call__, "markers", "marker_calls")
 

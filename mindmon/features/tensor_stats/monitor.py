@@ -25,7 +25,7 @@ Example:
     records = monitor.collect(step=1)   # [TensorStatsRecord(kind="grad_reduced", name="fc1.weight", ...)]
 """
 import math
-from operator import is_
+from itertools import count
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -102,12 +102,15 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     where they lie: their data pointers go to the compiled code in one call, which writes their rows (0-dim
     ones too: a MoE layer's auxiliary loss); no array is made (per tensor, that cost more than the loop over
     a small one). The rest, and tensors holding NaN or inf, go through `numpy_stats` one by one. A tensor
-    given again right after itself (one gradient, several cells' rows) is read once. Each tensor's shape,
-    dtype and data pointer are read by `float32_memories`, with no Python frame per tensor."""
+    given more than once is read once (a cell's output that is the next cells' input, one gradient with
+    several cells' rows: a sixth of the activations' rows in the benchmark's step); every tensor is alive
+    in `tensors` during the call, so two with the same `id` are one. Each tensor's shape, dtype and data
+    pointer are read by `float32_memories`, with no Python frame per tensor."""
     shapes, dtypes, addresses = float32_memories(tensors, direct)
     layouts = list(zip(shapes, dtypes))
-    repeated = np.zeros(len(tensors), dtype=bool)
-    repeated[1:] = list(map(is_, tensors[1:], tensors[:-1]))
+    first_seen: Dict[int, int] = {}
+    firsts = np.fromiter(map(first_seen.setdefault, map(id, tensors), count()), np.int64, len(tensors))
+    repeated = firsts != np.arange(len(tensors))
     sizes = np.array(list(map(math.prod, shapes)), dtype=np.int64)
     address_array = np.array(addresses, dtype=np.int64)
     located = (address_array != 0) & (sizes != 0) & ~repeated
@@ -127,8 +130,7 @@ def host_statistics(tensors: Sequence, ops: Sequence[str], eps: float, direct: b
     for index in elsewhere:
         shape, dtype = layouts[index]
         rows[index] = numpy_stats(host_array(tensors[index], direct, dtype_name(dtype)), ops, eps, not shape)
-    for index in np.flatnonzero(repeated).tolist():
-        rows[index] = rows[index - 1]
+    rows[repeated] = rows[firsts[repeated]]
     return rows, layouts
 
 
