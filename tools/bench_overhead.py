@@ -25,7 +25,10 @@ Configurations:
     l2_features         attention entropy / softmax max and stable rank of every attention and linear cell
 The scaling run repeats off / train_state at several layer counts. With tensor_stats in the run, the
 table also gives its memory floor: what numpy takes for the memory work those statistics need (the sum
-of the micro-batch gradients, one read of each point's arrays), as a share of the off step.
+of the micro-batch gradients, one read of each point's arrays), as a share of the off step; with
+activations in the run, theirs (one read of every activation and gradient a step collects). Under each
+floor: what the configuration's time in mindmon is made of (compiled reads and adds, MindSpore's
+HookBackward markers, the rest), timed in the same steps.
 """
 import argparse
 import gc
@@ -465,12 +468,12 @@ COLLECTOR = CollectorClock()
 class PartClocks:
     """Bench-only: seconds inside two parts of the statistics configurations' time in mindmon, to set
     against their memory floors. `statistics`: the compiled calls that read the tensors where they lie
-    (`reductions_at`, `row_reductions_at` for strided ones, the gradient sums' `adds_at`; with their hand-off
-    to helper threads); `markers`: MindSpore's `HookBackward`
-    ops, which `input_grad` puts before every monitored cell (their forward, recorded for the backward
-    pass; `marker_calls` counts them). Process-wide and installed once, by the first statistics
-    configuration: a step reads the clocks' change. Each timed call costs a Python frame (about a
-    microsecond), charged to the configuration that makes it."""
+    (`reductions_at`, `row_reductions_at` for strided ones, the gradient sums' `adds_at`; with their
+    hand-off to helper threads); `markers`: MindSpore's `HookBackward` ops, which `input_grad` puts before
+    every monitored cell (their forward, recorded for the backward pass; `marker_calls` counts them).
+    Process-wide and installed once, by the first statistics configuration: a step reads the clocks'
+    change. Each timed call costs a Python frame (about a microsecond), charged to the configuration that
+    makes it."""
 
     NAMES = ("statistics", "markers", "marker_calls")
 
