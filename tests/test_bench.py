@@ -49,6 +49,7 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     floor = data["main"]["statistics_floor"]   # numpy's gradient sum and one read of the six points
     assert floor["repeats"] == 7 and floor["gradient_sum_ms"] > 0 and floor["one_read_ms"] > 0
     assert floor["floor_ms"] == pytest.approx(floor["gradient_sum_ms"] + floor["one_read_ms"])
+    assert floor["gradient_sum_arriving_ms"] > 0 and 0 < floor["sums_read_ms"] < floor["one_read_ms"]
     assert "tensor_stats' memory floor (numpy, fastest of 7): the gradient sum" in result.stdout
     # activations' floor: one read of every tensor of the last collected step's actv and actv_grad rows
     actv_floor = data["main"]["activation_floor"]
@@ -63,10 +64,12 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     input_gradient_rows = [row for row in gradient_rows if re.search(r"\.input(_\d+)?$", row.name)]
     parts = rows["activations"]["parts_per_step"]
     assert parts["marker_calls"] == len(input_gradient_rows) > 0 and parts["markers"] > 0
-    assert 0 < parts["statistics"] + parts["markers"] < rows["activations"]["in_mindmon_ms_per_step"]
-    assert rows["tensor_stats"]["parts_per_step"]["marker_calls"] == 0
-    assert 0 < rows["tensor_stats"]["parts_per_step"]["statistics"] < rows["tensor_stats"]["in_mindmon_ms_per_step"]
-    assert "of it (medians of steps): the compiled reads and adds" in result.stdout
+    assert parts["adds"] == 0 and 0 < parts["reads"] + parts["markers"] < rows["activations"]["in_mindmon_ms_per_step"]
+    parts = rows["tensor_stats"]["parts_per_step"]   # the gradient sums' adds, the other points' reads
+    assert parts["marker_calls"] == 0 and parts["adds"] > 0 and parts["reads"] > 0
+    assert parts["adds"] + parts["reads"] < rows["tensor_stats"]["in_mindmon_ms_per_step"]
+    assert "of it (medians of steps): the compiled adds" in result.stdout
+    assert "of it (medians of steps): the compiled reads" in result.stdout
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
     # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for

@@ -27,8 +27,10 @@ The scaling run repeats off / train_state at several layer counts. With tensor_s
 table also gives its memory floor: what numpy takes for the memory work those statistics need (the sum
 of the micro-batch gradients, one read of each point's arrays), as a share of the off step; with
 activations in the run, theirs (one read of every activation and gradient a step collects). Under each
-floor: what the configuration's time in mindmon is made of (compiled reads and adds, MindSpore's
-HookBackward markers, the rest), timed in the same steps.
+floor: what the configuration's time in mindmon is made of (the compiled adds and reads, MindSpore's
+HookBackward markers, the rest), timed in the same steps, each against the floor's part it matches; for the
+adds also numpy's sum in the order a step's micro-batches arrive (the caches emptied between them, as the
+backward pass between two micro-batches empties them), the order a monitor that keeps no gradient must add in.
 """
 import argparse
 import gc
@@ -466,16 +468,16 @@ COLLECTOR = CollectorClock()
 
 
 class PartClocks:
-    """Bench-only: seconds inside two parts of the statistics configurations' time in mindmon, to set
-    against their memory floors. `statistics`: the compiled calls that read the tensors where they lie
-    (`reductions_at`, `row_reductions_at` for strided ones, the gradient sums' `adds_at`; with their
-    hand-off to helper threads); `markers`: MindSpore's `HookBackward` ops, which `input_grad` puts before
-    every monitored cell (their forward, recorded for the backward pass; `marker_calls` counts them).
-    Process-wide and installed once, by the first statistics configuration: a step reads the clocks'
-    change. Each timed call costs a Python frame (about a microsecond), charged to the configuration that
-    makes it."""
+    """Bench-only: seconds inside the parts of the statistics configurations' time in mindmon that have a
+    memory floor to be set against. `reads`: the compiled calls that read tensors where they lie
+    (`reductions_at`, `row_reductions_at` for strided ones); `adds`: the gradient sums' `adds_at` (with the
+    statistics of the sums they finish); both with their hand-off to helper threads. `markers`: MindSpore's
+    `HookBackward` ops, which `input_grad` puts before every monitored cell (their forward, recorded for the
+    backward pass; `marker_calls` counts them). Process-wide and installed once, by the first statistics
+    configuration: a step reads the clocks' change. Each timed call costs a Python frame (about a
+    microsecond), charged to the configuration that makes it."""
 
-    NAMES = ("statistics", "markers", "marker_calls")
+    NAMES = ("reads", "adds", "markers", "marker_calls")
 
     def __init__(self):
         self.totals = dict.fromkeys(self.NAMES, 0.0)
@@ -488,9 +490,9 @@ class PartClocks:
         from mindspore import ops
 
         from mindmon.features.tensor_stats import accumulate, monitor
-        monitor.reductions_at = self._timed(monitor.reductions_at, "statistics")
-        monitor.row_reductions_at = self._timed(monitor.row_reductions_at, "statistics")
-        accumulate.adds_at = self._timed(accumulate.adds_at, "statistics")
+        monitor.reductions_at = self._timed(monitor.reductions_at, "reads")
+        monitor.row_reductions_at = self._timed(monitor.row_reductions_at, "reads")
+        accumulate.adds_at = self._timed(accumulate.adds_at, "adds")
         ops.HookBackward.__call__ = self._timed(ops.HookBackward.__call__, "markers", "marker_calls")
 
     def _timed(self, function, name: str, count: Optional[str] = None):
@@ -668,9 +670,13 @@ def measure_norms_in_add(config: Configuration, repeats: int = 7) -> Optional[di
 def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
     """The least memory work `tensor_stats` needs per step, whatever computes it, done by numpy on fresh
     float32 arrays of the model's parameter sizes (fastest of `repeats`): the sum of the K micro-batch
-    gradients (`grad_unreduced` is the sum; a copy and K - 1 adds, numpy's own speed) and one read of
-    each of the six points' arrays (BLAS's dot of an array with itself: the fastest read numpy has here;
-    any statistic reads at least that). The arrays are larger than the last-level cache, as in training."""
+    gradients (`grad_unreduced` is the sum; a copy and K - 1 adds, numpy's own speed, each parameter's sum
+    finished before the next is begun) and one read of each of the six points' arrays (BLAS's dot of an
+    array with itself: the fastest read numpy has here; any statistic reads at least that). The arrays are
+    larger than the last-level cache, as in training. Beside the floor, not in it: the same sum in the
+    order a step's micro-batches arrive (every parameter's copy, then every parameter's second add, ...),
+    the caches emptied before each micro-batch as its backward pass empties them (`caches_emptied`), the
+    order a monitor that keeps no gradient past its micro-batch adds in; and the read of the sums alone."""
     sizes = [int(np.prod(p.shape)) for p in work.optimizer.parameters]
     rng = np.random.default_rng(0)
     micro = [[rng.standard_normal(n, dtype=np.float32) for n in sizes] for _ in range(work.size.micro_steps)]
@@ -689,13 +695,45 @@ def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
             for array in arrays:
                 np.dot(array, array)
 
-    best = {}
-    for name, work_done in (("gradient_sum_ms", gradient_sums), ("one_read_ms", one_read_each)):
-        for _ in range(repeats):
-            start = time.perf_counter()
-            work_done()
-            best[name] = min(best.get(name, float("inf")), (time.perf_counter() - start) * 1e3)
+    best = {name: _fastest(work_done, repeats) for name, work_done in (
+        ("gradient_sum_ms", gradient_sums), ("one_read_ms", one_read_each),
+        ("sums_read_ms", lambda: [np.dot(total, total) for total in sums]))}
+    best["gradient_sum_arriving_ms"] = min(_arriving_sums(micro, sums) for _ in range(repeats))
     return {**best, "floor_ms": best["gradient_sum_ms"] + best["one_read_ms"], "repeats": repeats}
+
+
+def _fastest(work_done: Callable[[], object], repeats: int) -> float:
+    """Milliseconds of the fastest of `repeats` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work_done()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def _arriving_sums(micro: List[List[np.ndarray]], sums: List[np.ndarray]) -> float:
+    """Milliseconds numpy takes to sum the micro-batch gradients one micro-batch at a time, the caches
+    emptied (untimed) before each."""
+    flush = _cache_flusher()
+    elapsed = 0.0
+    for position, gradients in enumerate(micro):
+        flush()
+        start = time.perf_counter()
+        for total, gradient in zip(sums, gradients):
+            np.copyto(total, gradient) if position == 0 else np.add(total, gradient, out=total)
+        elapsed += time.perf_counter() - start
+    return elapsed * 1e3
+
+
+def _cache_flusher() -> Callable[[], None]:
+    """A call that reads twice the last-level cache (at least 64 MiB), leaving none of the caller's data there."""
+    try:
+        cache = os.sysconf("SC_LEVEL3_CACHE_SIZE") or os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError):   # no such name on this platform
+        cache = 0
+    data = np.ones(max(2 * cache, 64 << 20) // 4, np.float32)
+    return lambda: np.dot(data, data)
 
 
 def measure_activation_floor(out_dir: Path, repeats: int = 7) -> Optional[dict]:
@@ -714,12 +752,7 @@ def measure_activation_floor(out_dir: Path, repeats: int = 7) -> Optional[dict]:
         return None
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(n, dtype=np.float32) for n in sizes if n]
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for array in arrays:
-            np.dot(array, array)
-        best = min(best, (time.perf_counter() - start) * 1e3)
+    best = _fastest(lambda: [np.dot(array, array) for array in arrays], repeats)
     return {"tensors": len(sizes), "elements": int(sum(sizes)), "one_read_ms": best, "repeats": repeats}
 
 
@@ -889,20 +922,31 @@ def _floor_lines(main: dict) -> List[str]:
                      f"{floor[total]:.1f} ms = {floor[total] / off_step_ms:.2%} of the off step ({config} in mindmon: "
                      f"{in_mindmon:.1f} ms = {in_mindmon / off_step_ms:.2%}, {in_mindmon / floor[total]:.2f}x the "
                      f"floor; wall {ours['ratio_to_off']:.4f}x off)")
-        lines += _parts_line(ours, floor[total])
+        lines += _parts_line(ours, floor, floor[total])
     return lines
 
 
-def _parts_line(row: dict, floor_ms: float) -> List[str]:
-    """What a statistics configuration's time in mindmon is made of, against its floor (`PartClocks`)."""
+def _parts_line(row: dict, floor: dict, floor_ms: float) -> List[str]:
+    """What a statistics configuration's time in mindmon is made of (`PartClocks`), each part against the
+    part of its floor it matches: the adds (which also read the sums they finish) against numpy's sum and
+    read of the sums, the reads against the floor's other reads; the markers and the rest against the floor."""
     parts = row.get("parts_per_step")
     if not parts:
         return []
-    rest = row["in_mindmon_ms_per_step"] - parts["statistics"] - parts["markers"]
-    markers = (f", MindSpore's HookBackward markers {parts['markers']:.1f} ms ({parts['markers'] / floor_ms:.2f}x; "
-               f"{parts['marker_calls']:.0f} a step)" if parts["marker_calls"] else "")
-    return [f"    of it (medians of steps): the compiled reads and adds {parts['statistics']:.1f} ms "
-            f"({parts['statistics'] / floor_ms:.2f}x the floor){markers}, the rest {rest:.1f} ms ({rest / floor_ms:.2f}x)"]
+    rest = row["in_mindmon_ms_per_step"] - parts["reads"] - parts["adds"] - parts["markers"]
+    pieces = []
+    if parts["adds"]:
+        sums_read = floor["sums_read_ms"]
+        pieces.append(f"the compiled adds {parts['adds']:.1f} ms ({parts['adds'] / (floor['gradient_sum_ms'] + sums_read):.2f}x "
+                      f"numpy's sum and read of the sums, {parts['adds'] / (floor['gradient_sum_arriving_ms'] + sums_read):.2f}x "
+                      f"with the sum in arrival order: {floor['gradient_sum_arriving_ms']:.1f} ms)")
+    reads_floor = floor["one_read_ms"] - floor.get("sums_read_ms", 0.0)
+    pieces.append(f"the compiled reads {parts['reads']:.1f} ms ({parts['reads'] / reads_floor:.2f}x numpy's read of them)")
+    if parts["marker_calls"]:
+        pieces.append(f"MindSpore's HookBackward markers {parts['markers']:.1f} ms ({parts['markers'] / floor_ms:.2f}x the "
+                      f"floor; {parts['marker_calls']:.0f} a step)")
+    pieces.append(f"the rest {rest:.1f} ms ({rest / floor_ms:.2f}x the floor)")
+    return ["    of it (medians of steps): " + ", ".join(pieces)]
 
 
 def _reference_line(main: dict) -> List[str]:
