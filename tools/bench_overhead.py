@@ -675,7 +675,7 @@ def measure_statistics_floor(work: Workload, repeats: int = 7) -> dict:
     array with itself: the fastest read numpy has here; any statistic reads at least that). The arrays are
     larger than the last-level cache, as in training. Beside the floor, not in it: the same sum in the
     order a step's micro-batches arrive (every parameter's copy, then every parameter's second add, ...),
-    the caches emptied before each micro-batch as its backward pass empties them (`caches_emptied`), the
+    the caches emptied before each micro-batch as its backward pass empties them (`_arriving_sums`), the
     order a monitor that keeps no gradient past its micro-batch adds in; and the read of the sums alone."""
     sizes = [int(np.prod(p.shape)) for p in work.optimizer.parameters]
     rng = np.random.default_rng(0)
@@ -936,15 +936,15 @@ def _parts_line(row: dict, floor: dict, floor_ms: float) -> List[str]:
     rest = row["in_mindmon_ms_per_step"] - parts["reads"] - parts["adds"] - parts["markers"]
     pieces = []
     if parts["adds"]:
-        sums_read = floor["sums_read_ms"]
-        pieces.append(f"the compiled adds {parts['adds']:.1f} ms ({parts['adds'] / (floor['gradient_sum_ms'] + sums_read):.2f}x "
-                      f"numpy's sum and read of the sums, {parts['adds'] / (floor['gradient_sum_arriving_ms'] + sums_read):.2f}x "
-                      f"with the sum in arrival order: {floor['gradient_sum_arriving_ms']:.1f} ms)")
+        adds, sums_read, arriving = parts["adds"], floor["sums_read_ms"], floor["gradient_sum_arriving_ms"]
+        pieces.append(f"the compiled adds {adds:.1f} ms ({adds / (floor['gradient_sum_ms'] + sums_read):.2f}x numpy's "
+                      f"sum and read of the sums, {adds / (arriving + sums_read):.2f}x with the sum in arrival order: "
+                      f"{arriving:.1f} ms)")
     reads_floor = floor["one_read_ms"] - floor.get("sums_read_ms", 0.0)
     pieces.append(f"the compiled reads {parts['reads']:.1f} ms ({parts['reads'] / reads_floor:.2f}x numpy's read of them)")
     if parts["marker_calls"]:
-        pieces.append(f"MindSpore's HookBackward markers {parts['markers']:.1f} ms ({parts['markers'] / floor_ms:.2f}x the "
-                      f"floor; {parts['marker_calls']:.0f} a step)")
+        pieces.append(f"MindSpore's HookBackward markers {parts['markers']:.1f} ms ({parts['markers'] / floor_ms:.2f}x "
+                      f"the floor; {parts['marker_calls']:.0f} a step)")
     pieces.append(f"the rest {rest:.1f} ms ({rest / floor_ms:.2f}x the floor)")
     return ["    of it (medians of steps): " + ", ".join(pieces)]
 
