@@ -27,7 +27,8 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_overhead.py"), "--tiny", "--rounds", "2", "--steps-per-block", "1",
-         "--warmup", "1", "--scaling-layers", "2", "--scaling-rounds", "1", "--peers", "--peer-steps", "1", "--json", str(out),
+         "--warmup", "1", "--scaling-layers", "2", "--scaling-rounds", "1", "--seq-lengths", "12",
+         "--seq-configs", "tensor_stats", "activations", "--peers", "--peer-steps", "1", "--json", str(out),
          "--output-dir", str(tmp_path / "monitor")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -70,6 +71,16 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     assert parts["adds"] + parts["reads"] < rows["tensor_stats"]["in_mindmon_ms_per_step"]
     assert "of it (medians of steps): the compiled adds" in result.stdout
     assert "of it (medians of steps): the compiled reads" in result.stdout
+    # the sequence run: each statistics configuration against its own floor, measured at that length
+    longer = data["sequence"][0]
+    assert longer["seq_length"] == 12 and [row["config"] for row in longer["rows"]] == [
+        "off", "train_state", "tensor_stats", "activations"]
+    assert longer["statistics_floor"]["floor_ms"] > 0
+    longer_rows = [row for point in ("actv", "actv_grad") for row in read_csv(glob.glob(   # its last step
+        str(tmp_path / "monitor" / "S12" / "activations" / "*-rank0-*" / f"{point}_1-1.csv"))[0])]
+    assert longer["activation_floor"]["elements"] == sum(int(np.prod(row.shape)) for row in longer_rows)
+    assert longer["activation_floor"]["elements"] > actv_floor["elements"]   # 12 tokens a sequence, not 8
+    assert re.search(r"\n\s+12  tensor_stats .*x\n", result.stdout)
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
     # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for

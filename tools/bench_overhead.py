@@ -31,6 +31,8 @@ floor: what the configuration's time in mindmon is made of (the compiled adds an
 HookBackward markers, the rest), timed in the same steps, each against the floor's part it matches; for the
 adds also numpy's sum in the order a step's micro-batches arrive (the caches emptied between them, as the
 backward pass between two micro-batches empties them), the order a monitor that keeps no gradient must add in.
+The sequence run (512 tokens by default) repeats off / train_state and `--seq-configs` (tensor_stats by default)
+with longer sequences, each statistics configuration against its own floor measured at that length.
 """
 import argparse
 import gc
@@ -47,7 +49,7 @@ import tracemalloc
 import types
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -756,14 +758,21 @@ def measure_activation_floor(out_dir: Path, repeats: int = 7) -> Optional[dict]:
     return {"tensors": len(sizes), "elements": int(sum(sizes)), "one_read_ms": best, "repeats": repeats}
 
 
+def measure_floors(work: Workload, configs: Sequence, out_dir: Path) -> dict:
+    """The memory floor of each statistics configuration among `configs` (None for one not run), measured
+    while their models are alive, as the step ran."""
+    names = {config.name for config in configs}
+    return {"statistics_floor": measure_statistics_floor(work) if "tensor_stats" in names else None,
+            "activation_floor": measure_activation_floor(out_dir) if "activations" in names else None}
+
+
 def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     work = Workload(size)
     log(f"main run: {work.describe()}")
     configs = _main_configs(work, out_dir, args.only)
     samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
     norms_in_add = measure_norms_in_add(configs[1])
-    floor = measure_statistics_floor(work) if any(c.name == "tensor_stats" for c in configs) else None
-    activation_floor = measure_activation_floor(out_dir) if any(c.name == "activations" for c in configs) else None
+    floors = measure_floors(work, configs, out_dir)
     for config in configs:
         config.close()
     rows = summarize(samples)
@@ -771,7 +780,7 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     reference = next((r for r in rows if r["config"] == "host_sync_ref"), None)
     added = ours["added_ms_per_step"]
     result = {"size": work.describe(), "rows": rows, "off_median_step_s": off["median_step_s"],
-              "norms_in_add": norms_in_add, "statistics_floor": floor, "activation_floor": activation_floor}
+              "norms_in_add": norms_in_add, **floors}
     if reference is None:
         return result
     # train_state's norms are taken in the buffer add (the reference's in its record calls): measured apart
@@ -787,16 +796,18 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
 
 
 def _off_and_train_state(work: Workload, out_dir: Path, rounds: int, warmup: int, log,
-                         extra: Sequence[str] = ()) -> List[dict]:
-    """off, train_state and the `extra` main-run configurations (on models of their own) on `work`'s size."""
+                         extra: Sequence[str] = ()) -> Tuple[List[dict], dict]:
+    """off, train_state and the `extra` main-run configurations (on models of their own) on `work`'s size:
+    their rows, and the memory floors of the statistics configurations among them (`measure_floors`)."""
     configs = _main_configs(work, out_dir, extra or ["train_state"])
     samples = run_interleaved(configs, rounds, 1, warmup, log, python_memory=False)
     norms_in_add = measure_norms_in_add(configs[1])
+    floors = measure_floors(work, configs, out_dir)
     for config in configs:
         config.close()
     rows = summarize(samples)
     return [_norms_measured_apart(row, rows[0], norms_in_add) if row["config"] == "train_state" else row
-            for row in rows]
+            for row in rows], floors
 
 
 def _norms_measured_apart(row: dict, off: dict, norms_in_add: Optional[dict]) -> dict:
@@ -817,9 +828,9 @@ def _sweep(work_sizes, key: str, folder: str, args, out_dir: Path, log, extra: S
     for value, size in work_sizes:
         work = Workload(size)
         log(f"{key} run, {value}: {work.describe()}")
-        rows = _off_and_train_state(work, out_dir / f"{folder}{value}", args.scaling_rounds, args.warmup, log,
-                                    extra)
-        results.append({key: value, "size": work.describe(), "rows": rows})
+        rows, floors = _off_and_train_state(work, out_dir / f"{folder}{value}", args.scaling_rounds, args.warmup,
+                                            log, extra)
+        results.append({key: value, "size": work.describe(), "rows": rows, **floors})
     return results
 
 
@@ -991,22 +1002,33 @@ def format_tables(result: dict) -> str:
 
 
 def _sequence_lines(runs: List[dict], main: dict) -> List[str]:
-    """The share of the step in mindmon as the tokens per micro-batch grow (the main run's rows first)."""
+    """The share of the step in mindmon as the tokens per micro-batch grow (the main run's rows first), and a
+    statistics configuration's time against its memory floor measured in the same run at the same size."""
     if not runs:
         return []
     names = [row["config"] for run in runs for row in run["rows"][1:]]
-    lines = ["", "sequence length (vs off, main model):",
-             f"{'tokens':>7}  {'config':<16}{'off step s':>10}{'x off':>8}{'mindmon ms':>12}{'share of off step':>19}"]
+    lines = ["", "sequence length (vs off, main model; floor: the configuration's memory floor at that length):",
+             f"{'tokens':>7}  {'config':<16}{'off step s':>10}{'x off':>8}{'mindmon ms':>12}{'share of off step':>19}"
+             f"{'floor ms':>10}{'x floor':>9}"]
     main_rows = [_norms_measured_apart(row, main["rows"][0], main.get("norms_in_add"))
                  if row["config"] == "train_state" else row for row in main["rows"]]
-    shown = [(main["size"]["seq_length"], main_rows)] + [(run["seq_length"], run["rows"]) for run in runs]
-    for tokens, rows in shown:
+    shown = [(main["size"]["seq_length"], main_rows, main)] + [(run["seq_length"], run["rows"], run) for run in runs]
+    for tokens, rows, floors in shown:
         off = rows[0]
         for ours in (row for row in rows[1:] if row["config"] in names):
-            in_mindmon = ours["in_mindmon_ms_per_step"]
+            in_mindmon, floor = ours["in_mindmon_ms_per_step"], floor_ms(floors, ours["config"])
+            against = f"{floor:>10.1f}{in_mindmon / floor:>8.2f}x" if floor else ""
             lines.append(f"{tokens:>7}  {ours['config']:<16}{off['median_step_s']:>10.3f}{ours['ratio_to_off']:>8.4f}"
-                         f"{in_mindmon:>12.1f}{in_mindmon / 1000 / off['median_step_s']:>18.2%}")
+                         f"{in_mindmon:>12.1f}{in_mindmon / 1000 / off['median_step_s']:>18.2%}{against}")
     return lines
+
+
+def floor_ms(floors: dict, config: str) -> Optional[float]:
+    """The memory floor of configuration `config` among a run's `floors` (`measure_floors`), or None."""
+    for key, floored, total, _ in FLOORS:
+        if floored == config and floors.get(key):
+            return floors[key][total]
+    return None
 
 
 def _split(row: dict) -> str:
@@ -1041,8 +1063,9 @@ def parse_args(argv=None):
     parser.add_argument("--peer-steps", type=int, default=4, help="timed steps per phase of a peer run")
     parser.add_argument("--peer-monitored", nargs="+", choices=("parameters", "activations"),
                         default=["parameters"], help="what the peer runs monitor (each a pair of processes)")
-    parser.add_argument("--seq-lengths", type=int, nargs="*", default=[512],
-                        help="sequence lengths of the sequence run (the main model, off vs train_state)")
+    parser.add_argument("--seq-lengths", type=int, nargs="*", default=None,
+                        help="sequence lengths of the sequence run (the main model, off vs train_state); "
+                             "default 512, none with --tiny")
     parser.add_argument("--seq-configs", nargs="*", default=["tensor_stats"],
                         help="main-run configurations the sequence run measures besides train_state")
     parser.add_argument("--scaling-hidden", type=int, default=128,
@@ -1055,6 +1078,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.seq_lengths is None:
+        args.seq_lengths = [] if args.tiny else [512]
     import mindspore as ms
 
     # Synchronous PyNative: on a small CPU the asynchronous queue makes every step several times slower.
@@ -1073,7 +1098,7 @@ def main(argv=None) -> dict:
                            "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()},
               "main": measure_main(size, args, out_dir, log),
               "scaling": measure_scaling(scaling_size, args, out_dir, log),
-              "sequence": measure_sequence(size, args, out_dir, log) if not args.tiny else [],
+              "sequence": measure_sequence(size, args, out_dir, log),
               "peers": measure_peers(args, out_dir, log) if args.peers else []}
     result["settings"]["load_average_at_end"] = os.getloadavg()
     result["settings"]["wall_s"] = time.perf_counter() - started
