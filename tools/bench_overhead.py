@@ -1029,14 +1029,14 @@ def _sequence_lines(runs: List[dict], main: dict) -> List[str]:
     for tokens, rows, floors in shown:
         off = rows[0]
         for ours in (row for row in rows[1:] if row["config"] in names):
-            in_mindmon, floor = ours["in_mindmon_ms_per_step"], floor_ms(floors, ours["config"])
+            in_mindmon, floor = ours["in_mindmon_ms_per_step"], floor_total_ms(floors, ours["config"])
             against = f"{floor:>10.1f}{in_mindmon / floor:>8.2f}x" if floor else ""
             lines.append(f"{tokens:>7}  {ours['config']:<16}{off['median_step_s']:>10.3f}{ours['ratio_to_off']:>8.4f}"
                          f"{in_mindmon:>12.1f}{in_mindmon / 1000 / off['median_step_s']:>18.2%}{against}")
     return lines
 
 
-def floor_ms(floors: dict, config: str) -> Optional[float]:
+def floor_total_ms(floors: dict, config: str) -> Optional[float]:
     """The memory floor of configuration `config` among a run's `floors` (`measure_floors`), or None."""
     for key, floored, total, _ in FLOORS:
         if floored == config and floors.get(key):
