@@ -67,6 +67,9 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     parts = rows["activations"]["parts_per_step"]
     assert parts["marker_calls"] == len(input_gradient_rows) > 0 and parts["markers"] > 0
     assert parts["adds"] == 0 and 0 < parts["reads"] + parts["markers"] < rows["activations"]["in_mindmon_ms_per_step"]
+    # a marker's output is its input's memory, read once: fewer elements read than the rows hold
+    assert 0 < parts["read_elements"] < actv_floor["elements"]
+    assert f"they read {parts['read_elements']:,.0f} of the floor's {actv_floor['elements']:,} elements" in result.stdout
     parts = rows["tensor_stats"]["parts_per_step"]   # the gradient sums' adds, the other points' reads
     assert parts["marker_calls"] == 0 and parts["adds"] > 0 and parts["reads"] > 0
     assert parts["adds"] + parts["reads"] < rows["tensor_stats"]["in_mindmon_ms_per_step"]

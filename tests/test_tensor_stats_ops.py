@@ -232,3 +232,31 @@ def test_a_tensor_given_more_than_once_is_read_once(monkeypatch):
     want = [[x.min(), x.max(), x.mean(), np.linalg.norm(x)] for x in (v.astype(np.float64) for v in arrays)]
     np.testing.assert_allclose(rows, [want[0], want[1], want[0], want[0], want[1]], rtol=1e-6)
     assert read == [2] and [tuple(shape) for shape, _ in layouts] == [(3,), (2,), (3,), (3,), (2,)]
+
+
+def test_tensors_on_the_same_memory_are_read_once(monkeypatch):
+    """Tensors that are views of one piece of memory (a reshape, a `HookBackward` marker's output, as a cell's
+    input passed through its `input_grad` marker is) are read once; a view of part of it, and a 0-dim view of
+    a one-element tensor (its `id` is its value, the 1-D tensor's NaN), are read apart."""
+    import mindspore as ms
+    from mindspore import ops as msops
+
+    from mindmon.features.tensor_stats import monitor
+
+    read = []
+    original = monitor.reductions_at
+    monkeypatch.setattr(monitor, "reductions_at", lambda table, *args: read.append(table.size // 4) or
+                        original(table, *args))
+    values = np.array([[1.0, -2.0, 4.0], [0.5, 3.0, -8.0]], np.float32)
+    a, one = ms.Tensor(values) * 1, ms.Tensor(np.array([2.5], np.float32)) * 1
+    marked = msops.HookBackward(lambda gradient: None)(a)
+    tensors = [a, a.reshape(3, 2), marked, a[0], one, one.reshape(())]
+    assert len({t._data_ptr() for t in tensors[:4]}) == 1 and one.reshape(())._data_ptr() == one._data_ptr()
+    ops = ("min", "max", "norm", "id")
+    rows, _ = monitor.host_statistics(tensors, ops, EPS, True)
+    whole, first_row = values.astype(np.float64), values[0].astype(np.float64)
+    want_whole = [whole.min(), whole.max(), np.linalg.norm(whole), math.nan]
+    np.testing.assert_allclose(rows, [want_whole, want_whole, want_whole,
+                                      [first_row.min(), first_row.max(), np.linalg.norm(first_row), math.nan],
+                                      [2.5, 2.5, 2.5, math.nan], [2.5, 2.5, 2.5, 2.5]], rtol=1e-6)
+    assert read == [4]   # a, a[0], one, one.reshape(())

@@ -475,11 +475,13 @@ class PartClocks:
     (`reductions_at`, `row_reductions_at` for strided ones); `adds`: the gradient sums' `adds_at` (with the
     statistics of the sums they finish); both with their hand-off to helper threads. `markers`: MindSpore's
     `HookBackward` ops, which `input_grad` puts before every monitored cell (their forward, recorded for the
-    backward pass; `marker_calls` counts them). Process-wide and installed once, by the first statistics
+    backward pass; `marker_calls` counts them). `read_elements`: the elements the reads were given (memory
+    that several rows share is read once). Process-wide and installed once, by the first statistics
     configuration: a step reads the clocks' change. Each timed call costs a Python frame (about a
     microsecond), charged to the configuration that makes it."""
 
-    NAMES = ("reads", "adds", "markers", "marker_calls")
+    NAMES = ("reads", "adds", "markers", "marker_calls", "read_elements")
+    COUNTS = ("marker_calls", "read_elements")   # not seconds
 
     def __init__(self):
         self.totals = dict.fromkeys(self.NAMES, 0.0)
@@ -492,12 +494,15 @@ class PartClocks:
         from mindspore import ops
 
         from mindmon.features.tensor_stats import accumulate, monitor
-        monitor.reductions_at = self._timed(monitor.reductions_at, "reads")
-        monitor.row_reductions_at = self._timed(monitor.row_reductions_at, "reads")
+        monitor.reductions_at = self._timed(monitor.reductions_at, "reads", "read_elements",
+                                            lambda table, *rest: int(table[2::4].sum()))
+        monitor.row_reductions_at = self._timed(monitor.row_reductions_at, "reads", "read_elements",
+                                                lambda table, *rest: int((table[2::5] * table[3::5]).sum()))
         accumulate.adds_at = self._timed(accumulate.adds_at, "adds")
         ops.HookBackward.__call__ = self._timed(ops.HookBackward.__call__, "markers", "marker_calls")
 
-    def _timed(self, function, name: str, count: Optional[str] = None):
+    def _timed(self, function, name: str, count: Optional[str] = None, amount: Callable = lambda *args: 1):
+        """`function` timed into `name`; `count` adds up `amount(*args)` of each call (1: the calls)."""
         totals = self.totals
 
         def timed(*args, **kwargs):
@@ -507,7 +512,7 @@ class PartClocks:
             finally:
                 totals[name] += time.perf_counter() - start
                 if count is not None:
-                    totals[count] += 1
+                    totals[count] += amount(*args)
         return timed
 
     def since(self, before: Dict[str, float]) -> Dict[str, float]:
@@ -605,7 +610,7 @@ def _parts(times: List[List[StepTime]]) -> Dict[str, float]:
     steps = [t.parts for block in times for t in block if t.parts]
     if not steps:
         return {}
-    return {name: statistics.median(p[name] for p in steps) * (1 if name.endswith("_calls") else 1e3)
+    return {name: statistics.median(p[name] for p in steps) * (1 if name in PartClocks.COUNTS else 1e3)
             for name in PartClocks.NAMES}
 
 
@@ -965,7 +970,12 @@ def _parts_line(row: dict, floor: dict, floor_ms: float) -> List[str]:
                       f"sum and read of the sums, {adds / (arriving + sums_read):.2f}x with the sum in arrival order: "
                       f"{arriving:.1f} ms)")
     reads_floor = floor["one_read_ms"] - floor.get("sums_read_ms", 0.0)
-    pieces.append(f"the compiled reads {parts['reads']:.1f} ms ({parts['reads'] / reads_floor:.2f}x numpy's read of them)")
+    shared = ""
+    if floor.get("elements") and parts.get("read_elements"):
+        shared = (f"; they read {parts['read_elements']:,.0f} of the floor's {floor['elements']:,} elements: "
+                  f"memory several rows share is read once")
+    pieces.append(f"the compiled reads {parts['reads']:.1f} ms ({parts['reads'] / reads_floor:.2f}x numpy's read of "
+                  f"them{shared})")
     if parts["marker_calls"]:
         pieces.append(f"MindSpore's HookBackward markers {parts['markers']:.1f} ms ({parts['markers'] / floor_ms:.2f}x "
                       f"the floor; {parts['marker_calls']:.0f} a step)")
