@@ -34,7 +34,8 @@ def _flush_counting_collections(group):
 
     def callback(phase, info):
         if phase == "start":
-            alive = sum(isinstance(o, TensorStatsRecord) for o in gc.get_objects())
+            # type(), not isinstance(): isinstance raises on a weak proxy whose object is gone
+            alive = sum(type(o) is TensorStatsRecord for o in gc.get_objects())
             collections.append((info["generation"], alive))
     gc.collect()   # the count of allocations starts from 0: a collection now means the step end's own
     gc.callbacks.append(callback)
