@@ -1,5 +1,7 @@
 # `make demo`: create .venv if needed, install mindmon and its pinned dependencies, train the demo.
-# `make test`: the same install plus pytest, then the whole test suite (what .ci/run does).
+# `make test`: the same install plus pytest, then the system packages the tests run for real (`make services`:
+# tools/test_services.sh installs the missing ones under root, names them otherwise), then the whole test suite
+# (what .ci/run does).
 # `make test-ms27`: the low end of the supported range (MindSpore 2.7.0 + mindnlp 0.5.1, no MindFormers) in
 # .venv-ms27, pinned by constraints-ms27.txt; runs the tests marked `ms27` (docs/testing.md).
 # `make test-ms210`: the newest MindSpore, 2.10.0 (MindFormers 1.9 needs 2.9: none here) in .venv-ms210, pinned
@@ -13,7 +15,7 @@ BIN_MS27 := $(VENV_MS27)/bin
 VENV_MS210 ?= .venv-ms210
 BIN_MS210 := $(VENV_MS210)/bin
 
-.PHONY: install demo test install-ms27 test-ms27 install-ms210 test-ms210 clean
+.PHONY: install demo services test install-ms27 test-ms27 install-ms210 test-ms210 clean
 
 install:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +26,10 @@ install:
 demo: install
 	$(BIN)/mindmon demo
 
-test: install
+services:
+	@bash tools/test_services.sh
+
+test: install services
 	$(BIN)/python -m pytest -q -m "not mindnlp" tests
 
 install-ms27:

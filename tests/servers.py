@@ -4,6 +4,7 @@ SMTP server (aiosmtpd) with STARTTLS and AUTH, and an SMTP server that accepts a
 
 PostgreSQL refuses to run as root: under root the cluster belongs to the `postgres` user.
 """
+import glob
 import os
 import shutil
 import socket
@@ -26,6 +27,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _postgres_tool(name: str) -> str:
+    """A PostgreSQL server program: on PATH, else in the newest of Debian's versioned folders, which
+    its postgresql package leaves off PATH."""
+    folders = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda f: int(f.split("/")[-2]))
+    found = shutil.which(name) or shutil.which(name, path=os.pathsep.join(reversed(folders)))
+    if found is None:
+        pytest.fail(f"PostgreSQL 15's {name} (on PATH or in /usr/lib/postgresql/*/bin) is needed for the database "
+                    "delivery tests: apt-get install -y postgresql (make test does it under root)")
+    return found
 
 
 def _as_postgres(command: List[str]) -> List[str]:
@@ -62,15 +74,16 @@ class PostgresServer:
             shutil.chown(pwfile, "postgres", "postgres")
         os.chmod(base, 0o700)
         self.port = free_port()
-        _run(_as_postgres(["initdb", "-D", self.data, "-U", PG_USER, f"--pwfile={pwfile}", "-E", "UTF8",
-                           "--auth-host=scram-sha-256", "--auth-local=trust"]))
+        _run(_as_postgres([_postgres_tool("initdb"), "-D", self.data, "-U", PG_USER, f"--pwfile={pwfile}", "-E",
+                           "UTF8", "--auth-host=scram-sha-256", "--auth-local=trust"]))
 
     def start(self) -> None:
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.base} -c fsync=off"
-        _run(_as_postgres(["pg_ctl", "-D", self.data, "-l", self.log, "-w", "-t", "60", "-o", options, "start"]))
+        _run(_as_postgres([_postgres_tool("pg_ctl"), "-D", self.data, "-l", self.log, "-w", "-t", "60", "-o", options,
+                           "start"]))
 
     def stop(self) -> None:
-        _run(_as_postgres(["pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop"]))
+        _run(_as_postgres([_postgres_tool("pg_ctl"), "-D", self.data, "-m", "fast", "-w", "stop"]))
 
     @property
     def url(self):
@@ -83,16 +96,17 @@ class PostgresServer:
 @pytest.fixture(scope="session")
 def postgres_server(request):
     """The session's PostgreSQL server (stopped and deleted after the session)."""
-    if shutil.which("initdb") is None or shutil.which("pg_ctl") is None:
-        pytest.fail("PostgreSQL 15 (initdb, pg_ctl on PATH) is needed for the database delivery tests")
+    for tool in ("initdb", "pg_ctl"):   # a missing one fails the test before anything is made
+        _postgres_tool(tool)
     server = PostgresServer(tempfile.mkdtemp(prefix="mindmon-pg-"))
     server.start()
-    version = subprocess.run(["postgres", "--version"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([_postgres_tool("postgres"), "--version"], capture_output=True, text=True).stdout.strip()
     _announce(request, f"\n[servers] {version} started on 127.0.0.1:{server.port} (data dir {server.data})")
     try:
         yield server
     finally:
-        subprocess.run(_as_postgres(["pg_ctl", "-D", server.data, "-m", "fast", "-w", "stop"]), capture_output=True)
+        subprocess.run(_as_postgres([_postgres_tool("pg_ctl"), "-D", server.data, "-m", "fast", "-w", "stop"]),
+                   capture_output=True)
         _announce(request, f"[servers] PostgreSQL on 127.0.0.1:{server.port} stopped")
         shutil.rmtree(server.base, ignore_errors=True)
 
@@ -114,7 +128,7 @@ def _mariadbd() -> str:
         if found:
             return found
     pytest.fail("MariaDB (mariadbd, from the distribution's mariadb-server package) is needed for the MySQL "
-                "delivery tests: apt-get install -y mariadb-server")
+                "delivery tests: apt-get install -y mariadb-server (make test does it under root)")
 
 
 class MariaDBServer:
