@@ -18,8 +18,10 @@ actually chose, for each kind of router (docs/semantics.md, "Tokens per expert")
                          cell's cumulative `tokens_dropped`
 
 A probe never breaks the forward: an output it cannot read is logged once, the probe detaches itself and
-training goes on. Every op is a MindSpore function, so a mindnlp model's tensors (whose methods are
-PyTorch's) work too.
+training goes on. Integer expert ids under a selection that reads scores ("topk", "grouped") are such an
+output: their top-k is no choice of the router's, so the first forward names selection="indices" (a cell's
+output dtype is known only once it has run, so attaching cannot tell). Every op is a MindSpore function, so
+a mindnlp model's tensors (whose methods are PyTorch's) work too.
 """
 import logging
 from typing import List, Optional
@@ -30,6 +32,14 @@ from mindmon.cells import named_cells
 from mindmon.compat import with_device_of
 
 SELECTIONS = ("topk", "indices", "grouped", "mask")
+SCORE_SELECTIONS = ("topk", "grouped")   # the selections that read one score per expert
+
+
+def is_integer(tensor) -> bool:
+    """The tensor's dtype is an integer one (its metadata: no read of the device)."""
+    from mindspore.common import dtype
+
+    return tensor.dtype in dtype.int_type + dtype.uint_type
 
 
 class TokensPerExpertProbe:
@@ -91,6 +101,12 @@ class TokensPerExpertProbe:
         from mindspore import Tensor, ops
 
         value = self._value(output)
+        if isinstance(value, (tuple, list)):
+            raise ValueError(f"the router returns {len(value)} outputs; pass output_index= the one to read")
+        if self.selection in SCORE_SELECTIONS and is_integer(value):
+            where = "" if self.output_index is None else f"[{self.output_index}]"
+            raise ValueError(f"the router's output{where} holds integer expert ids ({value.dtype}), not a score "
+                             f"per expert; pass selection=\"indices\"")
         if self.selection == "mask":
             if value.shape[-1] != self.num_experts:
                 raise ValueError(f"a dispatch mask of shape {tuple(value.shape)}; expected (..., {self.num_experts})")
