@@ -15,7 +15,7 @@ The same tag table names the TensorBoard scalars (`TENSORBOARD_TAGS` differs onl
 plots something else: the micro-batch loss as `local_lm_loss`).
 """
 import re
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
                        MAX_ATTENTION_LOGIT_MEAN, Record)
@@ -94,9 +94,3 @@ class LineReader:
         if not isinstance(value, list) and not re.fullmatch(NUMBER, raw):
             raise ValueError(f"not a number: {raw!r}")
         return [Record(step, micro_step, self.rank, kind, name, value)]
-
-
-def read_lines(lines) -> Iterator[Record]:
-    reader = LineReader()
-    for text in lines:
-        yield from reader.read(text)

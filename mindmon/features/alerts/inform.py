@@ -1,6 +1,6 @@
 """`alert.inform`: the recipients (a database by SQLAlchemy URL, e-mail over SMTP) and how delivery
 to them is buffered, retried and batched. Parsing only; the recipients themselves are in
-`mindmon.alerts.recipients`, the delivery thread in `mindmon.alerts.delivery`.
+`mindmon.features.alerts.recipients`, the delivery thread in `mindmon.features.alerts.delivery`.
 
 Passwords (in `connection_str` and `send_email_password`) never enter a message: URLs are shown
 through SQLAlchemy's rendering with the password hidden, the e-mail password as `***`.

@@ -25,7 +25,6 @@ logger = logging.getLogger("mindmon")
 # Keys msprobe documents for capabilities mindmon's tensor statistics do not implement; they are accepted
 # (a config.json written for msprobe keeps working) and, when they ask for something, say what is missing.
 LATER_CAPABILITIES = {"mg_distribution": "gradient/momentum distributions"}
-_LATER_TYPES: Dict[str, type] = {}
 
 _DEFAULTS = {
     "targets": {}, "param_distribution": False, "wg_distribution": False, "mv_distribution": False,
@@ -99,7 +98,7 @@ class TensorStatsConfig:
 
     @property
     def reads_adam_state(self) -> bool:
-        """ur_distribution or mg_direction: mindmon/msprobe/optimizer_state.py."""
+        """ur_distribution or mg_direction: mindmon/features/tensor_stats/optimizer_state.py."""
         return self.ur_distribution or self.mg_direction
 
     def finished(self, step: int) -> bool:
@@ -186,9 +185,8 @@ def _check_later(path: str, later: Dict[str, Any]) -> None:
     something needs."""
     needed: Dict[str, list] = {}
     for key, value in later.items():
-        expected = _LATER_TYPES.get(key, bool)
-        if not isinstance(value, expected):
-            raise type_error(key_path(path, key), value, f"a {expected.__name__}")
+        if not isinstance(value, bool):
+            raise type_error(key_path(path, key), value, "a bool")
         if value:
             needed.setdefault(LATER_CAPABILITIES[key], []).append(key_path(path, key))
     for capability, keys in needed.items():
