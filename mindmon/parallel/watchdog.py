@@ -1,5 +1,6 @@
 """The peer watchdog of a multi-rank run: names the ranks that stopped answering, while the survivors
-wait in a collective that will never complete (docs/multi-rank.md, "A lost node").
+wait in a collective that will never complete (docs/multi-rank.md, "A lost node"), and the ranks that
+answer but no longer move (docs/multi-rank.md, "A hung rank").
 
 World rank 0 hosts a small TCP server at the master's address (`MS_SCHED_HOST`, port `MS_SCHED_PORT` + 1);
 every other rank keeps one connection to it and sends its last written step every second. A rank is
@@ -10,6 +11,12 @@ threads are held for a while (a long call that keeps the GIL, a stopped process)
 waits `SETTLE` seconds after the first loss, so the ranks of one node are named together, then logs
 one line and answers every survivor's next heartbeat with it. A rank that loses rank 0 says so itself.
 
+Each heartbeat also carries the rank's place in its step (mindmon.progress: step, phase, since when).
+Rank 0 declares a hang when no rank's place has changed for `hang_after` seconds: it logs one line
+naming the ranks whose (step, phase) differ from the majority's, writes its threads' stacks
+(faulthandler), hands the event to `on_hang`, and answers every heartbeat with the line until some rank
+moves again; each rank that hears it logs it and writes its own stacks.
+
 Why a thread and sockets of its own: a survivor's main thread is inside MindSpore's all-reduce, which
 releases the GIL while it waits, so a daemon thread still runs; no Python handler runs on the main
 thread until MindSpore's own heartbeat ends the process about 30 s later. Plain sockets, not
@@ -18,20 +25,30 @@ own waits bounded by timeouts it sets, both of which a key-value store hides.
 """
 import atexit
 import errno
+import faulthandler
 import os
+import statistics
 import selectors
 import socket
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindmon.engine import RunInfo, Sink
+from mindmon.formats.layout import rank_dir
+from mindmon.progress import DATA, PHASES, PROGRESS, Place
 
 INTERVAL = 1.0    # seconds between a rank's heartbeats
 SILENCE = 10.0    # seconds without an answer from a rank's machine (to keepalive probes or data): lost
 SETTLE = 2.0      # seconds rank 0 waits after the first loss, for the other ranks of the same node
 STARTUP = 120.0   # seconds a rank keeps trying to reach rank 0 before it gives up (the watchdog off)
+HANG_FLOOR = 10.0  # seconds: the least derived hang_after
+HANG_STEPS = 4.0   # the derived hang_after in median step times (MindSpore's CPU collectives give up after ~30 s)
+HANG_MEASURED = 3  # step times rank 0 measures before the derived hang_after holds (the first steps: unwatched)
+HANG_WINDOW = 50   # the latest step times the median is taken over
 HOST_RANK = 0
 _watching: Optional["PeerWatchdog"] = None   # the process's running watchdog
 
@@ -45,14 +62,19 @@ def endpoint() -> Optional[Tuple[str, int]]:
     return host, port + 1 if port < 65535 else port - 1
 
 
-def peer_watchdog(logger) -> Optional["PeerWatchdog"]:
-    """This rank's watchdog: None on a run of one rank, or outside msrun."""
+def peer_watchdog(logger, hang_after: Optional[float] = None, output_dir: Optional[str] = None,
+                  on_hang: Optional[Callable[["Hang"], None]] = None) -> Optional["PeerWatchdog"]:
+    """This rank's watchdog: None on a run of one rank, or outside msrun. `hang_after`: seconds without
+    progress on any rank that make a hang (None: HANG_STEPS median step times, at least HANG_FLOOR);
+    `output_dir`: the run's output folder, each rank's stacks go to its `rank_<r>/` (None: to stderr);
+    `on_hang`: called on rank 0's watchdog thread with each hang it declares."""
     from mindmon.distributed import DataParallel
 
     world, address = DataParallel(), endpoint()
     if not world.active or address is None:
         return None
-    return PeerWatchdog(world.rank, world.size, address, logger)
+    return PeerWatchdog(world.rank, world.size, address, logger, hang_after=hang_after, output_dir=output_dir,
+                        on_hang=on_hang)
 
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
@@ -65,15 +87,70 @@ def step_phrase(steps: Sequence[int]) -> str:
     return f"last seen at step {steps[0]}" if len(steps) == 1 else f"last seen at steps {steps}"
 
 
+def stacks_file(output_dir: str, rank, number: int) -> str:
+    """Where rank `rank` writes its threads' stacks at the run's hang `number` (1, 2, ...)."""
+    return os.path.join(rank_dir(output_dir, rank), f"hang_{number}_stacks.txt")
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A hang rank 0 declared: every watched rank's place when no rank had moved for `stalled` seconds."""
+
+    number: int                  # 1 for the run's first hang, counted by rank 0
+    stalled: float               # seconds since any rank's place last changed (as rank 0 saw the changes)
+    hang_after: float            # the threshold in force
+    places: Dict[int, Place]     # rank -> its place
+    majority: Tuple[int, str]    # the (step, phase) most ranks are in
+    odd: Tuple[int, ...]         # the ranks whose (step, phase) differ from the majority's
+    stacks: str                  # where the ranks write their stacks (a pattern over ranks), or "stderr"
+    line: str                    # what is logged
+
+    @property
+    def step(self) -> int:
+        return self.majority[0]
+
+
+def _order(place: Tuple[int, str]) -> Tuple[int, int]:
+    return place[0], PHASES.index(place[1]) if place[1] in PHASES else -1
+
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def hang_summary(places: Dict[int, Place]) -> Tuple[Tuple[int, str], List[int], str]:
+    """(the majority's (step, phase), the other ranks, the phrase naming where each rank is). A tie is
+    broken towards the place furthest on: the ranks behind it are the ones the others wait for."""
+    groups: Dict[Tuple[int, str], List[int]] = {}
+    for rank in sorted(places):
+        groups.setdefault(places[rank][:2], []).append(rank)
+    majority = max(groups, key=lambda place: (len(groups[place]), _order(place)))
+    odd = sorted(rank for place, ranks in groups.items() if place != majority for rank in ranks)
+
+    def where(place, ranks, verb):
+        since = _clock(min(places[rank].since for rank in ranks))
+        return f"{ranks_phrase(ranks)}{verb} in {place[1]} of step {place[0]} since {since}"
+
+    if not odd:
+        return majority, odd, f"all {len(places)} ranks in {majority[1]} of step {majority[0]} since " \
+                              f"{_clock(min(p.since for p in places.values()))}"
+    parts = [where(place, groups[place], " is" if len(groups[place]) == 1 else " are")
+             for place in sorted(groups, key=_order) if place != majority]
+    return majority, odd, ", ".join(parts + [where(majority, groups[majority], "")])
+
+
 class PeerWatchdog(Sink):
     """A sink only for its place in the group's life: `open` starts the thread, `write` notes the step
     (one attribute set, no I/O), `close` says goodbye and stops the thread."""
 
     def __init__(self, rank: int, world: int, address: Tuple[str, int], logger, silence: float = SILENCE,
-                 interval: float = INTERVAL, startup: float = STARTUP):
+                 interval: float = INTERVAL, startup: float = STARTUP, hang_after: Optional[float] = None,
+                 output_dir: Optional[str] = None, on_hang: Optional[Callable[[Hang], None]] = None):
         self.rank, self.world, self.address, self.logger = rank, world, address, logger
         self.silence, self.interval, self.startup = silence, interval, startup
+        self.hang_after, self.output_dir, self.on_hang = hang_after, output_dir, on_hang
         self.step = 0
+        self.hangs: List[str] = []   # the hang lines this rank logged, in order
         self.verdict: Optional[str] = None   # the line logged, once
         self.goodbye = True   # whether the end tells the others (False: they name this rank lost)
         self._stopping = threading.Event()
@@ -134,6 +211,33 @@ class PeerWatchdog(Sink):
             self.verdict = line
             self.logger.error("%s", line)
 
+    def stacks_where(self, number: int) -> str:
+        """Where every rank writes its stacks for hang `number`: a path with `*` for the rank."""
+        return "each rank's stderr" if self.output_dir is None else stacks_file(self.output_dir, "*", number)
+
+    def hung(self, number: int, line: str) -> None:
+        """Hang `number` declared: its line logged, this process's threads' stacks written."""
+        self.hangs.append(line)
+        self.logger.error("%s", line)
+        try:
+            self._write_stacks(number, line)
+        except OSError as error:
+            self.logger.warning("mindmon: writing rank %d's stacks for the hang failed (%s)", self.rank,
+                                error.strerror or error)
+
+    def _write_stacks(self, number: int, line: str) -> None:
+        if self.output_dir is None:
+            sys.stderr.write(f"rank {self.rank}: {line}\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            return
+        path = stacks_file(self.output_dir, self.rank, number)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(f"rank {self.rank}, {_clock(time.time())}: {line}\n\n")
+            handle.flush()   # faulthandler writes to the file descriptor, after what Python holds
+            faulthandler.dump_traceback(handle, all_threads=True)
+
     def _guarded(self, target) -> None:
         try:
             target()
@@ -157,6 +261,10 @@ class _Server:
         self.watchdog = watchdog
         self.seen: Dict[int, List] = {}   # rank -> [its last step, "up" | "closed" | "silent" | "done"]
         self.first_loss: Optional[float] = None
+        self.places: Dict[int, Tuple[Place, float]] = {}   # rank -> (its place, when rank 0 saw it change)
+        self.step_times = _StepTimes()
+        self.hang: Optional[Tuple[int, str]] = None   # the hang in force: its number and line
+        self.hangs = 0
 
     def run(self) -> None:
         try:
@@ -222,15 +330,24 @@ class _Server:
             self.seen[peer.rank] = [0, "up"]
         elif peer.rank is None:
             return
-        elif len(words) == 2 and words[0] == "beat" and words[1].isdigit():
+        elif len(words) in (2, 5) and words[0] == "beat" and words[1].isdigit():
             self.seen[peer.rank][0] = int(words[1])
-            verdict = self.watchdog.verdict
-            _send(connection, f"lost {verdict}\n".encode() if verdict else f"ok {self.watchdog.step}\n".encode())
+            place = _parse_place(words[2:])
+            if place is not None:
+                self._place(peer.rank, place, time.monotonic())
+            _send(connection, self._answer())
         elif words == ["bye"]:
             self.seen[peer.rank][1] = "done"
 
     def lost(self) -> List[int]:
         return sorted(r for r, (_, state) in self.seen.items() if state in ("closed", "silent"))
+
+    def _answer(self) -> bytes:
+        if self.watchdog.verdict:
+            return f"lost {self.watchdog.verdict}\n".encode()
+        if self.hang is not None:
+            return f"hang {self.hang[0]} {self.hang[1]}\n".encode()
+        return f"ok {self.watchdog.step}\n".encode()
 
     def _judge(self, now: float) -> None:
         if self.watchdog.verdict is not None:
@@ -238,11 +355,71 @@ class _Server:
         lost = self.lost()
         if not lost:
             self.first_loss = None
+            self._judge_hang(now)
             return
         if self.first_loss is None:
             self.first_loss = now
         if now - self.first_loss >= SETTLE:
             self.watchdog.announce(self.line(lost))
+
+    def _place(self, rank: int, place: Place, now: float) -> None:
+        before = self.places.get(rank)
+        if before is not None and before[0] == place:
+            return
+        self.places[rank] = (place, now)
+        if before is not None and self.hang is not None:
+            self.watchdog.logger.warning("mindmon: hang %d is over: rank %d moved on to %s of step %d", self.hang[0],
+                                         rank, place.phase, place.step)
+            self.hang = None
+
+    def _judge_hang(self, now: float) -> None:
+        own = PROGRESS.place
+        self._place(HOST_RANK, own, now)
+        self.step_times.note(own.step, now)
+        watched = self._watched()
+        if self.hang is not None or watched is None:
+            return
+        limit = self._hang_after(watched)
+        stalled = now - max(changed for _, changed in watched.values())
+        if limit is None or stalled < limit:
+            return
+        places = {rank: place for rank, (place, _) in watched.items()}
+        if {place[:2] for place in places.values()} == {(own.step, DATA)}:
+            return   # every rank between the same two steps: an evaluation, a checkpoint, the end of training
+        self._declare(places, stalled, limit)
+
+    def _watched(self) -> Optional[Dict[int, Tuple[Place, float]]]:
+        """The places of the ranks still training (rank 0 and every rank connected and not done); None
+        until every rank has said hello and sent its place."""
+        if len(self.seen) < self.watchdog.world - 1:
+            return None
+        ranks = [HOST_RANK] + sorted(rank for rank, (_, state) in self.seen.items() if state == "up")
+        if len(ranks) < 2 or any(rank not in self.places for rank in ranks):
+            return None
+        return {rank: self.places[rank] for rank in ranks}
+
+    def _hang_after(self, watched) -> Optional[float]:
+        """The threshold in force; None while it does not hold yet (no step begun, or, derived, too few
+        step times measured)."""
+        if self.watchdog.hang_after is None:
+            return self.step_times.hang_after()
+        started = any(place[:2] != (0, DATA) for place, _ in watched.values())
+        return self.watchdog.hang_after if started else None
+
+    def _declare(self, places: Dict[int, Place], stalled: float, limit: float) -> None:
+        self.hangs += 1
+        majority, odd, where = hang_summary(places)
+        stacks = self.watchdog.stacks_where(self.hangs)
+        line = (f"mindmon: hang: no rank has progressed for {stalled:.1f} s (hang_after {limit:.1f} s); {where}; "
+                f"stacks written to {stacks}")
+        self.hang = (self.hangs, line)
+        self.watchdog.hung(self.hangs, line)
+        if self.watchdog.on_hang is not None:
+            try:
+                self.watchdog.on_hang(Hang(self.hangs, stalled, limit, places, majority, tuple(odd), stacks, line))
+            except Exception as error:   # a failing receiver must not stop the watching
+                self.watchdog.logger.warning("mindmon: handing the hang on failed (%s: %s)", type(error).__name__,
+                                             error)
 
     def line(self, lost: List[int]) -> str:
         closed = [r for r in lost if self.seen[r][1] == "closed"]
@@ -263,6 +440,7 @@ class _Client:
     def __init__(self, watchdog: PeerWatchdog):
         self.watchdog = watchdog
         self.host_step = 0
+        self.heard = 0   # the number of the last hang rank 0 told of
         self.connection: Optional[socket.socket] = None
 
     def run(self) -> None:
@@ -305,7 +483,8 @@ class _Client:
     def _beat(self, connection, reader) -> bool:
         """One heartbeat and rank 0's answer; False when the watching is over."""
         try:
-            connection.sendall(f"beat {self.watchdog.step}\n".encode())
+            place = PROGRESS.place
+            connection.sendall(f"beat {self.watchdog.step} {place.step} {place.phase} {place.since!r}\n".encode())
             answer = reader.readline().decode("ascii", "replace").rstrip("\n")
         except OSError as error:
             if _silent(error):
@@ -319,13 +498,52 @@ class _Client:
             return False
         if word == "ok" and rest.isdigit():
             self.host_step = int(rest)
+        if word == "hang":
+            self._hang(rest)
         return word != "bye"   # rank 0 closed its watchdog: training is over there
+
+    def _hang(self, told: str) -> None:
+        number, _, line = told.partition(" ")
+        if number.isdigit() and int(number) > self.heard:
+            self.heard = int(number)
+            self.watchdog.hung(self.heard, line)
 
     def _host_lost(self, how: str) -> bool:
         self.watchdog.announce(f"mindmon: rank {HOST_RANK} (mindmon's heartbeat host) stopped answering ({how}; "
                                f"{step_phrase([self.host_step])}); this job cannot go on (which other ranks "
                                f"were lost with it cannot be told)")
         return False
+
+
+class _StepTimes:
+    """Rank 0's step times, from its own place as the watchdog's thread samples it (a few per second):
+    steps shorter than a sample are averaged over the steps between two samples."""
+
+    def __init__(self):
+        self.seconds: deque = deque(maxlen=HANG_WINDOW)
+        self.step, self.since = 0, 0.0
+
+    def note(self, step: int, now: float) -> None:
+        if step == self.step:
+            return
+        if self.step >= 1 and step > self.step:   # from step 0 to the first: the start, not a step
+            self.seconds.append((now - self.since) / (step - self.step))
+        self.step, self.since = step, now
+
+    def hang_after(self) -> Optional[float]:
+        if len(self.seconds) < HANG_MEASURED:
+            return None
+        return max(HANG_FLOOR, HANG_STEPS * statistics.median(self.seconds))
+
+
+def _parse_place(words: List[str]) -> Optional[Place]:
+    """A heartbeat's `<step> <phase> <since>`; None when absent or malformed."""
+    if len(words) != 3 or not words[0].isdigit():
+        return None
+    try:
+        return Place(int(words[0]), words[1], float(words[2]))
+    except ValueError:
+        return None
 
 
 def _silent(error: OSError) -> bool:

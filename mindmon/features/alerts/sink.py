@@ -124,12 +124,24 @@ class AlertSink(Sink):
         return Anomaly(record.rank, step, record.micro_step, self._calls, record.kind, record.name, tag,
                        statistic, x, verdict.rule_name, message, pp_stage, vpp_stage, group_mates=mates)
 
-    def _handle(self, found: List[Anomaly]) -> None:
+    def report_event(self, kind: str, rank: int, step: int, value: float, message: str,
+                     statistic: str = "seconds") -> Anomaly:
+        """An event judged outside the rules (the peer watchdog's hang: kind "hang", the seconds without
+        progress), dumped and delivered to the recipients as one anomaly whose tag, name and rule are
+        `kind`. Not logged: whoever judged it logged it. Safe from another thread (the delivery buffer
+        locks; the dump is written at the next flush)."""
+        anomaly = Anomaly(rank, step - 1 + self.config.first_step, None, self._calls, kind, kind, kind, statistic,
+                          float(value), kind, message, *self.stages,
+                          group_mates=self.group_mates if self.group_mates is not None else [rank])
+        self._handle([anomaly], log=False)
+        return anomaly
+
+    def _handle(self, found: List[Anomaly], log: bool = True) -> None:
         self.count += len(found)
         self.recent.extend(found)
-        for anomaly in found[:LOGGED_PER_WRITE]:
+        for anomaly in found[:LOGGED_PER_WRITE] if log else ():
             self.logger.warning("mindmon alert: %s", anomaly.message)
-        if len(found) > LOGGED_PER_WRITE:
+        if log and len(found) > LOGGED_PER_WRITE:
             self.logger.warning("mindmon alert: %d more anomalies at step %d (see the dump)",
                                 len(found) - LOGGED_PER_WRITE, found[-1].step)
         if self.dump is not None:
