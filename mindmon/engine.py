@@ -5,7 +5,10 @@ between them and knows nothing else. The semantics of every record are in docs/s
 A step, as the group drives it:
 
     monitor.reset()                              step begin
-    monitor.record(key, value, context)          for each key in monitor.KEYS, any number of times
+    monitor.on_event(event)                      for each event whose type is in monitor.EVENTS
+                                                 (mindmon.events: the training step's own vocabulary)
+    monitor.record(key, value, context)          for each key in monitor.KEYS: a feature's hooks handing
+                                                 their monitor data (tensor statistics, L2, collectives)
     monitor.cross_rank_sums() / receive_...()    only with several data-parallel ranks (and the
     monitor.cross_rank_buffer(K) / receive_...()  K-sized buffer of the same all-reduce)
     records = monitor.collect(step)              step end: everything the step produced, in one go
@@ -50,17 +53,22 @@ class RunInfo:
 class Monitor(abc.ABC):
     """Collects during a step, without host syncs, and returns the step's records at `collect`.
 
-    `KEYS` are the `record(key, ...)` keys it takes; the group calls `record` only for those.
+    `EVENTS` are the step events (mindmon.events) it takes, delivered to `on_event`; `KEYS` are the
+    `record(key, ...)` keys its own hooks send it; the group calls each only for those.
     The cross-rank hooks let a monitor have tensors summed over the data-parallel group inside the
     step's one gradient all-reduce: `cross_rank_shapes()` is fixed at construction (every rank must
     send the same payload), `cross_rank_sums()` gives this rank's tensors (None: send zeros), and
     `receive_cross_rank_sums(sums)` gets the sums back.
     """
 
+    EVENTS: Tuple[type, ...] = ()
     KEYS: Tuple[str, ...] = ()
 
     def reset(self) -> None:
         """Step begin: forget what the previous step left."""
+
+    def on_event(self, event) -> None:
+        """One of the step's events (an instance of a type in `EVENTS`)."""
 
     def record(self, key: str, value=None, context: Optional[dict] = None) -> None:
         """One value of the step; `context` may carry `micro_step`."""

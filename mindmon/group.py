@@ -8,12 +8,15 @@ while writing is logged once and dropped; training goes on and what was already 
 """
 import gc
 import logging
+import time
 from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from mindmon.engine import Monitor, RunInfo, Sink, SinkClosedError
+from mindmon.events import StepBegin, StepEnd, StepEvent, from_record
+from mindmon.progress import DATA, PROGRESS
 from mindmon.records import Record
 
 
@@ -22,7 +25,7 @@ class MonitorGroup:
 
         group = MonitorGroup([TrainStateMonitor(config.train_state, names)], [JsonlSink("./out")])
         group.setup(max_steps=100)
-        group.record("local_loss", loss, {"micro_step": 0})
+        group.emit(MicroBatchLoss(0, loss))
         group.flush(step=1, loss=loss, grad_norm=grad_norm, learning_rate=1e-3)
         group.close()
     """
@@ -43,13 +46,23 @@ class MonitorGroup:
         self._run = RunInfo(rank)
         self._max_norm: Optional[float] = None
         self._step_values_failed = False
+        self._step = 0              # the step in progress: the last one flushed + 1
+        self._own_seconds = 0.0     # mindmon's time in emit/record/flush since the last StepEnd
 
     @property
     def active(self) -> bool:
         return bool(self.monitors)
 
     def should_record(self, key: str) -> bool:
+        """A monitor takes this `record` key (its own hooks' data), or the event the key stands for."""
+        event = from_record(key)
+        if event is not None:
+            return self.should_take(type(event))
         return any(key in monitor.KEYS for monitor in self.monitors)
+
+    def should_take(self, event_type: type) -> bool:
+        """A monitor takes this step event: the loop may skip making its payload otherwise."""
+        return any(issubclass(event_type, monitor.EVENTS) for monitor in self.monitors)
 
     def should_stop(self) -> bool:
         """After `flush(step)`: True when an alert asks to stop training (`stop_on_anomaly`), on every
@@ -68,6 +81,7 @@ class MonitorGroup:
         if self._opened:
             return
         run = self._run = RunInfo(self.rank, start_step, max_steps, global_batch_size, micro_steps_per_step)
+        self._step = start_step + 1
         for sink in self.sinks:
             sink.open(run)
         self._opened = True
@@ -76,10 +90,36 @@ class MonitorGroup:
         for monitor in list(self.monitors):
             self._guard(monitor, monitor.reset)
 
+    def emit(self, event: StepEvent) -> None:
+        """One of the step's events (mindmon.events) to every monitor that takes its type. `StepBegin` also
+        resets the monitors. The event's `at` is stamped here; its phase becomes this process's place
+        (mindmon.progress), which the peer watchdog reports."""
+        if isinstance(event, StepBegin):
+            self.reset()
+        self._deliver(event)
+
+    def _deliver(self, event: StepEvent) -> None:
+        started = event.at = time.perf_counter()
+        if event.PHASE is not None:
+            PROGRESS.enter(self._step, event.PHASE)
+        for monitor in list(self.monitors):
+            if isinstance(event, monitor.EVENTS):
+                self._guard(monitor, monitor.on_event, event)
+        self._own_seconds += time.perf_counter() - started
+
     def record(self, key: str, value=None, context=None) -> None:
+        """The MindFormers monitor protocol: a step's key (`local_loss`, `local_norm`, `device_loss`,
+        `device_norm`, `moe_tpe_step_begin`, `moe_tpe`, `loss_components`, `loss_scale`) is emitted as its
+        event (mindmon.events.from_record); any other key goes to the monitors whose `KEYS` have it."""
+        event = from_record(key, value, context)
+        if event is not None:   # (not `emit`: the protocol resets with its own call)
+            self._deliver(event)
+            return
+        started = time.perf_counter()
         for monitor in list(self.monitors):
             if key in monitor.KEYS:
                 self._guard(monitor, monitor.record, key, value, context)
+        self._own_seconds += time.perf_counter() - started
 
     def cross_rank_sums(self, num_micro_steps: int = 1) -> list:
         """Tensors the monitors want summed over the data-parallel group this step; the training step
@@ -147,8 +187,15 @@ class MonitorGroup:
         """Step end: the step's own values (when given: floats or one-element Tensors; `grad_norm` is
         the global norm before clipping, as `AccumulatingTrainStep` returns it) and every monitor's
         records to every sink, then the sinks flush."""
+        self._step = step
+        end = StepEnd(step, self._own_seconds)
+        self._deliver(end)
+        started = end.at
         with _no_cycle_collection():
             self._write_step(step, loss, grad_norm, learning_rate)
+        self._step = step + 1
+        PROGRESS.enter(self._step, DATA)
+        self._own_seconds = time.perf_counter() - started
 
     def _write_step(self, step: int, loss, grad_norm, learning_rate) -> None:
         """`flush`'s work, in a function of its own: its records are freed when it returns, before the

@@ -10,7 +10,8 @@ optimizer exactly when it is true.
 """
 from mindspore.train import Callback
 
-from mindmon.features.loss_scale.scale import loss_scale_cell
+from mindmon.events import StepBegin, UpdateDone
+from mindmon.loss_scaling import loss_scale_cell
 
 
 class ModelMonitorCallback(Callback):
@@ -31,7 +32,7 @@ class ModelMonitorCallback(Callback):
                          max_steps=batches * epochs if batches and epochs else None)
 
     def on_train_step_begin(self, run_context):
-        self.group.reset()
+        self.group.emit(StepBegin())
 
     def on_train_step_end(self, run_context):
         params = run_context.original_args()
@@ -39,7 +40,7 @@ class ModelMonitorCallback(Callback):
         several = isinstance(outputs, (tuple, list))
         cell = loss_scale_cell(params.train_network)
         if cell is not None and several and len(outputs) >= 2:
-            self.group.record("loss_scale", cell, {"overflow": outputs[1]})
+            self.group.emit(UpdateDone(overflow=outputs[1], loss_scale=cell))
         self.group.flush(params.cur_step_num, loss=outputs[0] if several else outputs)
         if self.group.should_stop():   # an alert's stop_on_anomaly: Model's loop ends after this step
             run_context.request_stop()

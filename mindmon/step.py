@@ -23,9 +23,9 @@ from mindspore import Tensor, ops, value_and_grad
 from mindmon.compat import narrow, with_device_of
 from mindmon.config import check_max_norm
 from mindmon.distributed import DataParallel
-from mindmon.features.loss_scale.scale import as_loss_scaler
-from mindmon.features.train_state.monitor import GradientSnapshot
-from mindmon.records import LOCAL_NORM
+from mindmon.loss_scaling import as_loss_scaler
+from mindmon.events import (GradientSnapshot, GradientsReduced, MicroBatchEnd, MicroBatchGradients, MicroBatchLoss,
+                            MicroBatchLosses, ReduceBegin, StepBegin, StepLoss, UpdateDone)
 from mindmon.parallel.reduce import model_parallel_sums
 from mindmon.kernels.stats import HostGradientBuffer, SquaredNorms, host_is_device, to_float
 
@@ -50,6 +50,17 @@ def split_batch(batch: Batch, num_micro_steps: int) -> List[Batch]:
     if isinstance(batch, dict):
         return [{name: piece(c, k) for name, c in batch.items()} for k in range(num_micro_steps)]
     return [tuple(piece(c, k) for c in batch) for k in range(num_micro_steps)]
+
+
+def batch_size(batch: Batch) -> Tuple[Optional[int], Optional[int]]:
+    """(samples, tokens) of a micro-batch: its columns' leading dimension, and that times the second
+    dimension of its first column when that is 2-d or more (token ids: (samples, sequence)); None where
+    the batch does not say."""
+    columns = list(batch.values() if isinstance(batch, dict) else batch)
+    shape = tuple(getattr(columns[0], "shape", ())) if columns else ()
+    if not shape:
+        return None, None
+    return int(shape[0]), int(shape[0]) * int(shape[1]) if len(shape) >= 2 else None
 
 
 def check_optimizer(optimizer) -> None:
@@ -78,6 +89,10 @@ class AccumulatingTrainStep:
     (a manager: its update_loss_scale(overflow)). Every step records `loss_scale` (the scale
     after that adjustment, whether the gradients overflowed, whether the update was skipped) for the
     loss_scale feature.
+
+    It tells the group what happens as it happens, in the step events of mindmon.events (StepBegin, per
+    micro-batch MicroBatchLoss / MicroBatchGradients / MicroBatchEnd, ReduceBegin, GradientsReduced,
+    UpdateDone, StepLoss); it knows no feature.
     """
 
     def __init__(self, loss_fn: Callable, optimizer, num_micro_steps: int, group=None,
@@ -116,16 +131,20 @@ class AccumulatingTrainStep:
     def __call__(self, micro_batches: Sequence[Batch]):
         group = self.group if self.group is not None and self.group.active else None
         if group is not None:
-            group.reset()
-            group.record("moe_tpe_step_begin")
-        accumulated, loss_sum = self._accumulate_micro_batches(micro_batches, group)
+            group.emit(StepBegin())
+        accumulated, loss_sum, last_norms = self._accumulate_micro_batches(micro_batches, group)
+        if group is not None:
+            group.emit(ReduceBegin())
         if accumulated is None and not self.data_parallel.active and self.model_parallel is None:
-            grad_norm = float(np.sqrt(self._last_norms.accumulated.sum()))   # one rank, summed in the host buffer
+            grad_norm = float(np.sqrt(last_norms.accumulated.sum()))   # one rank, summed in the host buffer
+            if group is not None:
+                group.emit(GradientsReduced(None))
             accumulated, mean_loss = self._clip_on_host(grad_norm), loss_sum / self.num_micro_steps
-            reduced = None
         else:
             accumulated = self._host.take() if accumulated is None else accumulated
             reduced, mean_loss = self._reduce(accumulated, loss_sum, group)
+            if group is not None:   # several ranks: the norm of the data-parallel mean; one rank: A_{K-1}
+                group.emit(GradientsReduced(reduced if self.data_parallel.active else None))
             if self.model_parallel is None:
                 grad_norm = self._global_norm(reduced)
             else:
@@ -139,35 +158,30 @@ class AccumulatingTrainStep:
         if self.loss_scaler is not None:
             self.loss_scaler.adjust(Tensor(bool(np.isfinite(grad_norm))))
         if group is not None:
-            group.record("loss_scale", self.loss_scaler,
-                         {"overflow": not np.isfinite(grad_norm), "skipped": not applied})
-            group.record("device_loss", mean_loss)
-            if self.model_parallel is None:   # the model-parallel step recorded it before its sums
-                # Several ranks: the norm of the data-parallel mean, before clipping; one rank: A_{K-1}.
-                group.record("device_norm", reduced if self.data_parallel.active else None)
+            group.emit(UpdateDone(grad_norm, not np.isfinite(grad_norm), not applied, self.loss_scaler))
+            group.emit(StepLoss(mean_loss))
         return mean_loss, grad_norm
 
     def _finish_model_parallel(self, reduced, mean_loss, group):
         """The global norm over every shard of every stage and the last stage's losses
         (mindmon.parallel.reduce); the monitors' per-parameter sums ride in the same collectives."""
-        if group is not None:
-            group.record("device_norm", reduced if self.data_parallel.active else None)
         squared = SquaredNorms(self.on_host)
         squared.add("grads", reduced)
         grad_norm, losses, mean = self.model_parallel.finish(
             squared.results()["grads"], [float(to_float(loss)) for loss in self._losses], float(to_float(mean_loss)),
             group)
         if group is not None and self.model_parallel.deferred_losses:
+            group.emit(MicroBatchLosses(losses))
             for k, loss in enumerate(losses):
-                group.record("local_loss", loss, {"micro_step": k})
+                group.emit(MicroBatchLoss(k, loss))
         return grad_norm, mean
 
     def _accumulate_micro_batches(self, micro_batches: Sequence[Batch], group):
-        """Forward/backward per micro-batch, recording each micro-step. Returns (the summed gradients
-        as MindSpore tensors, or None when they are summed in the host buffer; the sum of the losses)."""
-        losses, accumulated, host = [], None, self._host
-        wants_norms = group is not None and group.should_record(LOCAL_NORM)
-        self._last_norms = None
+        """Forward/backward per micro-batch, told to the group as it goes. Returns (the summed gradients
+        as MindSpore tensors, or None when they are summed in the host buffer; the sum of the losses; the
+        host buffer's norms of the last micro-step, or None)."""
+        losses, accumulated, host, norms = [], None, self._host, None
+        wants_norms = group is not None and group.should_take(MicroBatchGradients)
         for k, batch in enumerate(micro_batches):
             args = (batch,) if isinstance(batch, dict) else tuple(batch)
             (_, loss), grads = self.grad_fn(*args)
@@ -179,20 +193,17 @@ class AccumulatingTrainStep:
                 # The last micro-step's norms give the global norm without another read of the buffer.
                 micro, norms = host.add(grads, with_norms=wants_norms or k == len(micro_batches) - 1)
                 snapshot = GradientSnapshot(host.views if k == 0 else micro, host.views, norms)
-                self._last_norms = norms
             else:
                 accumulated = grads if accumulated is None else tuple(a + g for a, g in zip(accumulated, grads))
                 snapshot = GradientSnapshot(grads, accumulated)
             losses.append(loss)
             if group is not None:
-                context = {"micro_step": k}
                 if self.model_parallel is None or not self.model_parallel.deferred_losses:
-                    group.record("local_loss", loss, context)   # (a pipeline's come from its last stage)
-                group.record("local_norm", snapshot, context)
-                group.record("moe_tpe", context=context)
-                group.record("loss_components", None, context)   # the model's parts of this micro-batch's loss
+                    group.emit(MicroBatchLoss(k, loss))   # (a pipeline's come from its last stage)
+                group.emit(MicroBatchGradients(k, snapshot))
+                group.emit(MicroBatchEnd(k, *batch_size(batch)))
         self._losses = losses
-        return accumulated, sum(losses[1:], losses[0])
+        return accumulated, sum(losses[1:], losses[0]), norms
 
     def _clip_on_host(self, grad_norm: float) -> tuple:
         if self.max_norm > 0 and np.isfinite(grad_norm) and grad_norm > self.max_norm:

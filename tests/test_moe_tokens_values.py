@@ -10,7 +10,8 @@ from mindspore import Parameter, Tensor, nn
 
 from mindmon.config import ConfigError
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
-from mindmon.features.moe_tokens.monitor import (MICRO_STEP_END, STEP_BEGIN, MoELayer, MoETokensMonitor,
+from mindmon.events import MicroBatchEnd, StepBegin
+from mindmon.features.moe_tokens.monitor import (MoELayer, MoETokensMonitor,
                                          decoder_layer_count, find_moe_layers, select_layers)
 from mindmon.records import Record
 
@@ -153,12 +154,12 @@ def _set_counts(cells, counts):
 def _run_step(monitor, step, routed, start):
     """The step's records after the counters went from `start` through `routed`'s micro-steps."""
     _set_counts(monitor.cells, start)
-    monitor.record(STEP_BEGIN)
+    monitor.on_event(StepBegin())
     cumulative = start.copy()
     for k, per_layer in enumerate(routed):
         cumulative = cumulative + per_layer
         _set_counts(monitor.cells, cumulative)
-        monitor.record(MICRO_STEP_END, context={"micro_step": k})
+        monitor.on_event(MicroBatchEnd(k))
     return monitor.collect(step), cumulative
 
 
@@ -200,9 +201,9 @@ def test_counts_are_rounded_not_truncated():
     monitor = MoETokensMonitor(MoEMonitorConfig(save_tokens_per_expert_interval=1, target_layers=(1,)), _model())
     cell = monitor.cells[0]
     cell.tokens_per_expert.set_data(Tensor(np.array([0.0, 0, 0, 0], np.float32)))
-    monitor.record(STEP_BEGIN)
+    monitor.on_event(StepBegin())
     cell.tokens_per_expert.set_data(Tensor(np.array([2.9999, 1.0001, 0.4, 6.6], np.float32)))
-    monitor.record(MICRO_STEP_END)
+    monitor.on_event(MicroBatchEnd())
     records = monitor.collect(1)
     assert records[0].value == [3, 1, 0, 7] and records[1].value == [3, 1, 0, 7]
     assert {r.rank for r in records} == {0}   # the default rank
@@ -211,24 +212,24 @@ def test_counts_are_rounded_not_truncated():
 def test_snapshot_is_a_copy_of_a_counter_changed_in_place():
     monitor = MoETokensMonitor(MoEMonitorConfig(save_tokens_per_expert_interval=1, target_layers=(1,)), _model())
     counter = monitor.cells[0].tokens_per_expert
-    monitor.record(STEP_BEGIN)
+    monitor.on_event(StepBegin())
     ms.ops.assign_add(counter, Tensor(np.array([1.0, 2, 3, 4], np.float32)))
-    monitor.record(MICRO_STEP_END)
+    monitor.on_event(MicroBatchEnd())
     assert monitor.collect(1)[0].value == [1, 2, 3, 4]
 
 
 def test_no_step_begin_or_no_micro_step_writes_nothing_and_resets():
     config = MoEMonitorConfig(save_tokens_per_expert_interval=1, target_layers=(1,))
     monitor = MoETokensMonitor(config, _model(), cross_rank=True)
-    monitor.record(MICRO_STEP_END)          # before any step begin: ignored
+    monitor.on_event(MicroBatchEnd())          # before any step begin: ignored
     assert monitor._snapshots == [] and monitor.collect(1) == []
-    monitor.record(STEP_BEGIN)
+    monitor.on_event(StepBegin())
     assert monitor.cross_rank_sums() is None
     assert monitor.collect(1) == [] and monitor._snapshots == []
     monitor.receive_cross_rank_sums([Tensor(np.ones(EXPERTS, np.float32))])
     assert monitor.collect(2) == [] and monitor._all_ranks is None
-    monitor.record(STEP_BEGIN)
-    monitor.record(MICRO_STEP_END)          # one micro-step is a step to sum over the ranks
+    monitor.on_event(StepBegin())
+    monitor.on_event(MicroBatchEnd())          # one micro-step is a step to sum over the ranks
     assert [s.asnumpy().tolist() for s in monitor.cross_rank_sums()] == [[0.0] * EXPERTS]
 
 
@@ -249,10 +250,10 @@ def test_cross_rank_sums_replace_the_step_totals(on_host):
     routed = _routing(7, 3, 2)
     start = np.array([[4.0, 0, 1, 2], [0, 0, 9, 0]])
     _set_counts(monitor.cells, start)
-    monitor.record(STEP_BEGIN)
+    monitor.on_event(StepBegin())
     for k in range(3):
         _set_counts(monitor.cells, start + routed[:k + 1].sum(axis=0))
-        monitor.record(MICRO_STEP_END)
+        monitor.on_event(MicroBatchEnd())
     sums = monitor.cross_rank_sums()
     assert [s.dtype for s in sums] == [ms.float32, ms.float32]
     for got, want in zip(sums, routed.sum(axis=0)):

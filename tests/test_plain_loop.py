@@ -6,6 +6,8 @@ import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
 from conftest import read_jsonl
+from mindmon.engine import Monitor
+from mindmon.events import MicroBatchLoss
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
 from mindmon.kernels.stats import SquaredNorms
 from scripts.plain_loop_job import Regression
@@ -76,8 +78,8 @@ def test_device_path_equals_host_path(rng):
     np.testing.assert_allclose(device.results()["g"], expected, rtol=1e-5)
 
 
-class _Exploding:
-    KEYS = ("local_loss",)
+class _Exploding(Monitor):
+    EVENTS = (MicroBatchLoss,)
 
     def __init__(self):
         self.calls = 0
@@ -85,7 +87,7 @@ class _Exploding:
     def reset(self):
         pass
 
-    def record(self, key, value=None, context=None):
+    def on_event(self, event):
         pass
 
     def collect(self, step):

@@ -215,17 +215,17 @@ def test_monitor_alone_writes_only_what_was_recorded_and_forgets_it_at_collect()
     """The monitor outside the loop: a step with no device loss or device gradient recorded writes
     neither; after collect nothing of the step is left for the next one."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
     from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": True, "local_loss": True,
                                                             "device_norm": True, "device_loss": True})
     monitor = TrainStateMonitor(config, ["w"], rank=3, on_host=True)
     g0, g1 = Tensor(np.array([3.0, 4.0], np.float32)), Tensor(np.array([0.0, 8.0], np.float32))
-    monitor.record("local_loss", Tensor(np.float32(2.5)), {"micro_step": 0})
-    monitor.record("local_norm", GradientSnapshot([g0], [g0]), {"micro_step": 0})
-    monitor.record("local_norm", GradientSnapshot([g1], [g0 + g1]), {"micro_step": 1})
-    monitor.record("device_norm", None)   # one rank: device_norm is the last accumulated norm
+    monitor.on_event(MicroBatchLoss(0, Tensor(np.float32(2.5))))
+    monitor.on_event(MicroBatchGradients(0, GradientSnapshot([g0], [g0])))
+    monitor.on_event(MicroBatchGradients(1, GradientSnapshot([g1], [g0 + g1])))
+    monitor.on_event(GradientsReduced(None))   # one rank: device_norm is the last accumulated norm
     collected = monitor.collect(step=7)
     assert {(r.step, r.rank, r.iteration) for r in collected} == {(7, 3, None)}
     records = {(r.kind, r.micro_step, r.name): r.value for r in collected}
@@ -241,15 +241,15 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
     """With several ranks the loop hands the data-parallel mean to `device_norm`: its norm is written,
     not this rank's accumulated one; local norms stay this rank's own. Filters pick the names."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
     from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": "a", "device_norm": "b"})
     monitor = TrainStateMonitor(config, ["a", "skipped", "b"], on_host=False)   # rank 0 by default
     local = [Tensor(np.full(5000, v, np.float32)) for v in (1.0, 2.0, 3.0)]
     reduced = [Tensor(np.full(5000, v, np.float32)) for v in (0.5, 7.0, 0.25)]
-    monitor.record("local_norm", GradientSnapshot(local, local), {"micro_step": 0})
-    monitor.record("device_norm", reduced)
+    monitor.on_event(MicroBatchGradients(0, GradientSnapshot(local, local)))
+    monitor.on_event(GradientsReduced(reduced))
     collected = monitor.collect(step=1)
     assert {r.rank for r in collected} == {0}
     records = {(r.kind, r.micro_step, r.name): r.value for r in collected}
@@ -261,7 +261,7 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
 def test_a_given_way_of_taking_norms_is_the_one_used():
     """`norms=` swaps in another SquaredNorms (the overhead benchmark does): the monitor must use it."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
     from mindmon.features.train_state.monitor import TrainStateMonitor
     from mindmon.kernels.stats import SquaredNorms
 
@@ -272,5 +272,5 @@ def test_a_given_way_of_taking_norms_is_the_one_used():
     config = TrainStateConfig.parse("monitor.train_state", {"device_norm": True})
     monitor = TrainStateMonitor(config, ["w"], norms=QuadrupledNorms(on_host=True))
     grad = Tensor(np.array([3.0, 4.0], np.float32))
-    monitor.record("local_norm", GradientSnapshot([grad], [grad]), {"micro_step": 0})
+    monitor.on_event(MicroBatchGradients(0, GradientSnapshot([grad], [grad])))
     assert [(r.kind, r.value) for r in monitor.collect(step=1)] == [("device_norm", 10.0)]

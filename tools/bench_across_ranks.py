@@ -33,13 +33,13 @@ def monitor_for(ranks: int, params: int):
 def one_step(monitor, step: int, micro: int, params: int, rng, sinks) -> dict:
     from mindspore import Tensor
 
-    from mindmon.features.train_state.monitor import GradientSnapshot
+    from mindmon.events import GradientSnapshot, MicroBatchGradients, MicroBatchLoss
     from mindmon.kernels.stats import MicroStepNorms
 
     for k in range(micro):
-        monitor.record("local_loss", Tensor(np.float32(rng.random())), {"micro_step": k})
+        monitor.on_event(MicroBatchLoss(k, Tensor(np.float32(rng.random()))))
         squared = MicroStepNorms(rng.random(params), rng.random(params))
-        monitor.record("local_norm", GradientSnapshot([], [], squared), {"micro_step": k})
+        monitor.on_event(MicroBatchGradients(k, GradientSnapshot([], [], squared)))
     times = {}
     start = time.perf_counter()
     buffer = monitor.cross_rank_buffer(micro)

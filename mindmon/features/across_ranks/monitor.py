@@ -15,14 +15,15 @@ Columns, in this order (docs/outputs.md, "Cross-rank summaries"):
     accumulated_norm/<p>       A_{K-1}, the rank's own accumulated gradient  (either norm filter)
     tokens_per_expert_step/<layer>/expert_<e>   the rank's own tokens in the step (moe_monitor)
 """
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 
 from mindmon.engine import Monitor
+from mindmon.events import MicroBatchGradients, MicroBatchLoss, StepLoss
 from mindmon.features.across_ranks.summaries import Column, summary_records
 from mindmon.kernels.stats import SquaredNorms, to_float
-from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM,
+from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, LOCAL_LOSS, MICRO_NORM,
                              TOKENS_PER_EXPERT_STEP, Record)
 
 ACCUMULATED_NORM = "accumulated_norm"
@@ -49,8 +50,8 @@ class AcrossRanksMonitor(Monitor):
         self.norm_names = [parameter_names[i] for i in self.norm_indices]
         self.micro_positions = np.array([self.norm_indices.index(i) for i in self.micro_indices], np.int64)
         self.moe = moe if moe is not None and moe.expert_parallel is None else None
-        self.KEYS = tuple(k for k, on in ((LOCAL_LOSS, self.losses or self.device_loss),
-                                          (LOCAL_NORM, bool(self.norm_indices)), (DEVICE_LOSS, True)) if on)
+        self.EVENTS = tuple(e for e, on in ((MicroBatchLoss, self.losses or self.device_loss),
+                                            (MicroBatchGradients, bool(self.norm_indices)), (StepLoss, True)) if on)
         self._columns = {}
         self.reset()
 
@@ -62,12 +63,12 @@ class AcrossRanksMonitor(Monitor):
         self._losses, self._micro, self._accumulated = [], [], None
         self._own_row, self._summed = None, None
 
-    def record(self, key: str, value=None, context=None) -> None:
-        if key == LOCAL_LOSS:
-            self._losses.append(value)
-        elif key == LOCAL_NORM:
-            self._add_norms(value)
-        elif key == DEVICE_LOSS and self.size == 1:
+    def on_event(self, event) -> None:
+        if isinstance(event, MicroBatchLoss):
+            self._losses.append(event.loss)
+        elif isinstance(event, MicroBatchGradients):
+            self._add_norms(event.gradients)
+        elif isinstance(event, StepLoss) and self.size == 1:
             # One rank: the step's values are complete here, before the other monitors' collect.
             self._own_row = self._row(len(self._losses) or len(self._micro))
 

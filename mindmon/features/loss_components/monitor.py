@@ -8,20 +8,22 @@ A model exposes them (the protocol, as `get_max_attention_logit` for the max log
 
 and `AccumulatingTrainStep` reads them after every micro-batch. A plain loop hands them in instead:
 
-    group.record("loss_components", {"lm loss": lm, "z_loss": z}, {"micro_step": k})
-    group.record("loss_components", None, {"micro_step": k})   # None: ask the model
+    group.emit(LossComponents(k, {"lm loss": lm, "z_loss": z}))
+    group.emit(LossComponents(k))   # no components: ask the model
+(or, in the MindFormers monitor protocol, `group.record("loss_components", {...} or None, {"micro_step": k})`).
 """
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from mindmon.engine import Monitor
+from mindmon.events import LossComponents, MicroBatchEnd
 from mindmon.kernels.stats import to_float
 from mindmon.records import LOSS_COMPONENT, LOSS_COMPONENT_STEP, Record
 
 
 class LossComponentsMonitor(Monitor):
-    KEYS = ("loss_components",)
+    EVENTS = (MicroBatchEnd, LossComponents)
 
     def __init__(self, model, rank: int, max_components: int = 16, cross_rank: bool = False):
         self.model = model
@@ -29,17 +31,26 @@ class LossComponentsMonitor(Monitor):
         self.max_components = max_components
         self.cross_rank = cross_rank
         self.names: List[str] = []        # in the order first seen: the data-parallel sum's slots
+        self._handed_in = False           # the loop hands the components in: the model is not asked
         self._micro: Dict[int, dict] = {}
         self._sums: Optional[np.ndarray] = None
 
     def reset(self) -> None:
         self._micro, self._sums = {}, None
 
-    def record(self, key, value=None, context=None) -> None:
-        components = self._from_model() if value is None else value
+    def on_event(self, event) -> None:
+        """A `LossComponents` hands them in (None: ask the model); a `MicroBatchEnd` asks the model unless
+        the loop has handed them in itself."""
+        if isinstance(event, LossComponents) and event.components is not None:
+            self._handed_in = True
+            components = event.components
+        elif isinstance(event, MicroBatchEnd) and self._handed_in:
+            return
+        else:
+            components = self._from_model()
         if not components:
             return
-        micro_step = (context or {}).get("micro_step", len(self._micro))
+        micro_step = len(self._micro) if event.micro_step is None else event.micro_step
         for name in components:
             if name not in self.names:
                 self._add_name(name)

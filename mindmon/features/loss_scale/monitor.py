@@ -7,18 +7,21 @@ The loop hands them in once per step, after the scaler's adjustment and the (pos
     scaler.adjust(finite)
     if finite:
         optimizer(grads)
-    group.record("loss_scale", scaler, {"overflow": not finite})           # skipped defaults to overflow
-    group.record("loss_scale", None, {"overflow": True, "skipped": True})  # no scaler: no scale written
+    group.emit(UpdateDone(overflow=not finite, loss_scale=scaler))     # skipped defaults to overflow
+    group.emit(UpdateDone(overflow=True, skipped=True))                # no scaler: no scale written
 
-    loss, overflow, _ = train_cell(x, y)                                   # a TrainOneStepWithLossScaleCell
-    group.record("loss_scale", train_cell, {"overflow": overflow})
+    loss, overflow, _ = train_cell(x, y)                               # a TrainOneStepWithLossScaleCell
+    group.emit(UpdateDone(overflow=overflow, loss_scale=train_cell))
+
+(`group.record("loss_scale", scaler, {"overflow": ..., "skipped": ...})` in the MindFormers monitor protocol.)
 
 `AccumulatingTrainStep` records it itself at every step; so does `ModelMonitorCallback` under Model.train.
 """
 from typing import List, Optional
 
 from mindmon.engine import Monitor
-from mindmon.features.loss_scale.scale import scale_of
+from mindmon.events import UpdateDone
+from mindmon.loss_scaling import scale_of
 from mindmon.kernels.stats import to_float
 from mindmon.records import LOSS_SCALE, OVERFLOW, SKIPPED_STEPS, UPDATE_SKIPPED, Record
 
@@ -30,7 +33,7 @@ def _flag(value, key: str) -> bool:
 
 
 class LossScaleMonitor(Monitor):
-    KEYS = ("loss_scale",)
+    EVENTS = (UpdateDone,)
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -40,14 +43,12 @@ class LossScaleMonitor(Monitor):
     def reset(self) -> None:
         self._step = None
 
-    def record(self, key, value=None, context=None) -> None:
-        """`value`: what holds the scale (mindmon.features.loss_scale.scale), read now; `context`:
-        {"overflow": bool or bool Tensor, "skipped": optional, defaults to overflow}. The last
-        record of a step wins."""
-        context = context or {}
-        overflow = _flag(context.get("overflow"), "overflow")
-        skipped = overflow if context.get("skipped") is None else _flag(context["skipped"], "skipped")
-        self._step = (scale_of(value), overflow, skipped)
+    def on_event(self, event) -> None:
+        """`event.loss_scale`: what holds the scale (mindmon.loss_scaling), read now;
+        `overflow` a bool or bool Tensor; `skipped` defaults to overflow. The last one of a step wins."""
+        overflow = _flag(event.overflow, "overflow")
+        skipped = overflow if event.skipped is None else _flag(event.skipped, "skipped")
+        self._step = (scale_of(event.loss_scale), overflow, skipped)
 
     def collect(self, step: int) -> List[Record]:
         if self._step is None:   # the loop said nothing this step

@@ -17,12 +17,11 @@ from mindmon.compat import named_cells
 from mindmon.config import ConfigError, short_repr
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
 from mindmon.engine import Monitor
+from mindmon.events import MicroBatchEnd, StepBegin
 from mindmon.formats.layout import global_micro_step
 from mindmon.records import (MOE_CV, MOE_DROPPED_TOKENS, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS,
                        MOE_MIN_TOKENS, TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
-STEP_BEGIN = "moe_tpe_step_begin"
-MICRO_STEP_END = "moe_tpe"
 
 _MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)(?:\.|$)")
 # Decoder layers of the other common schemes: HuggingFace (`model.layers.<L>.mlp.gate`), GPT-2 style
@@ -118,14 +117,14 @@ class MoETokensMonitor(Monitor):
 
     Example:
         monitor = MoETokensMonitor(MoEMonitorConfig(save_tokens_per_expert_interval=1), model, rank=0)
-        monitor.record("moe_tpe_step_begin")
+        monitor.on_event(StepBegin())
         for k, batch in enumerate(micro_batches):
             train_micro_step(batch)
-            monitor.record("moe_tpe", context={"micro_step": k})
+            monitor.on_event(MicroBatchEnd(k))
         records = monitor.collect(step=1)   # tokens_per_expert, moe_cv, moe_idle_experts, ...
     """
 
-    KEYS = (STEP_BEGIN, MICRO_STEP_END)
+    EVENTS = (StepBegin, MicroBatchEnd)
 
     def __init__(self, config: MoEMonitorConfig, model, rank: int = 0, on_host: bool = True,
                  logger: Optional[logging.Logger] = None, cross_rank: bool = False, layout=None):
@@ -197,12 +196,12 @@ class MoETokensMonitor(Monitor):
             sums, self._dropped_all_ranks = sums[:-1], sums[-1]
         self._all_ranks = sums
 
-    def record(self, key: str, value=None, context=None) -> None:
-        if key == STEP_BEGIN:
+    def on_event(self, event) -> None:
+        if isinstance(event, StepBegin):
             self._snapshots = [self._snapshot()]
             if self._has_drops:
                 self._dropped_at_begin = self._dropped()
-        elif key == MICRO_STEP_END and self._snapshots:
+        elif isinstance(event, MicroBatchEnd) and self._snapshots:
             self._snapshots.append(self._snapshot())
 
     def _snapshot(self):

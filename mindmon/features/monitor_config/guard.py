@@ -20,13 +20,14 @@ import math
 from typing import List, Optional, Sequence
 
 from mindmon.engine import Monitor
-from mindmon.records import DEVICE_LOSS, Record
+from mindmon.events import StepLoss
+from mindmon.records import Record
 from mindmon.kernels.stats import to_float
 from mindmon.features.monitor_config.monitors import GLOBAL_NORM_SPIKES, STEP_LEVEL_NAME
 
 
 class StepGuard(Monitor):
-    KEYS = (DEVICE_LOSS,)
+    EVENTS = (StepLoss,)
 
     def __init__(self, section, parameter_names: Sequence[str] = (), rank: int = 0,
                  logger: Optional[logging.Logger] = None):
@@ -47,8 +48,8 @@ class StepGuard(Monitor):
     def reset(self) -> None:
         self._grad_norm, self._loss = None, None
 
-    def record(self, key: str, value=None, context=None) -> None:
-        self._loss = value
+    def on_event(self, event) -> None:
+        self._loss = event.loss
 
     def should_skip_update(self, grad_norm) -> bool:
         self._grad_norm = float(grad_norm) if grad_norm is not None else math.nan

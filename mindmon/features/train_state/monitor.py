@@ -9,7 +9,6 @@ the gradient accumulated so far and A_k = |G_k| per parameter.
     local_loss  at micro-step k = loss_k;  device_loss = mean_k loss_k
 `device_norm` forces the collection of the norms it needs; each switch filters its own output.
 """
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -17,20 +16,10 @@ import numpy as np
 from mindmon.config import ConfigError
 from mindmon.features.train_state.config import TrainStateConfig
 from mindmon.engine import Monitor
+from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss, StepLoss
 from mindmon.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
 from mindmon.parallel.norms import ShardedNorms
 from mindmon.kernels.stats import MicroStepNorms, SquaredNorms, to_float
-
-
-@dataclass
-class GradientSnapshot:
-    """The gradients after one micro-step: the micro-batch's own and the accumulated ones,
-    both in the order of the parameter names given to the monitor."""
-
-    micro: Sequence
-    accumulated: Sequence
-    # Their squared norms when the training step already took them (CPU host buffer), else None.
-    squared_norms: Optional[MicroStepNorms] = None
 
 
 class TrainStateMonitor(Monitor):
@@ -38,13 +27,13 @@ class TrainStateMonitor(Monitor):
 
     Example:
         monitor = TrainStateMonitor(config, parameter_names, rank=0, on_host=True)
-        monitor.record("local_loss", loss, {"micro_step": 0})
-        monitor.record("local_norm", GradientSnapshot(grads, accumulated), {"micro_step": 0})
-        monitor.record("device_loss", mean_loss)
+        monitor.on_event(MicroBatchLoss(0, loss))
+        monitor.on_event(MicroBatchGradients(0, GradientSnapshot(grads, accumulated)))
+        monitor.on_event(StepLoss(mean_loss))
         records = monitor.collect(step=1)
     """
 
-    KEYS = (LOCAL_LOSS, LOCAL_NORM, DEVICE_LOSS, DEVICE_NORM)
+    EVENTS = (MicroBatchLoss, MicroBatchGradients, StepLoss, GradientsReduced)
 
     def __init__(self, config: TrainStateConfig, parameter_names: Sequence[str], rank: int = 0,
                  on_host: bool = True, norms: Optional[SquaredNorms] = None, layout=None):
@@ -75,26 +64,28 @@ class TrainStateMonitor(Monitor):
         if self._shards is not None:
             self._shards.clear()
 
-    def record(self, key: str, value=None, context=None) -> None:
-        micro_step = (context or {}).get("micro_step")
-        if key == LOCAL_LOSS:
-            self._losses.append((micro_step, value))
-        elif key == LOCAL_NORM and self.collects_norms:
-            self._micro_steps.append(micro_step)
-            if value.squared_norms is not None:
-                self._put_squared_norms(micro_step, value.squared_norms)
-                return
-            self._norms.add(("accumulated", micro_step), [value.accumulated[i] for i in self.indices])
-            if self.config.local_norm.enabled and value.micro is value.accumulated:
-                # Micro-step 0: the micro-batch's gradient is the accumulated one; read it once.
-                self._norms.alias(("micro", micro_step), ("accumulated", micro_step))
-            elif self.config.local_norm.enabled:
-                self._norms.add(("micro", micro_step), [value.micro[i] for i in self.indices])
-        elif key == DEVICE_LOSS:
-            self._device_loss = value
-        elif key == DEVICE_NORM and value is not None and self.config.device_norm.enabled:
+    def on_event(self, event) -> None:
+        if isinstance(event, MicroBatchLoss):
+            self._losses.append((event.micro_step, event.loss))
+        elif isinstance(event, MicroBatchGradients) and self.collects_norms:
+            self._add_norms(event.micro_step, event.gradients)
+        elif isinstance(event, StepLoss):
+            self._device_loss = event.loss
+        elif isinstance(event, GradientsReduced) and event.gradients is not None and self.config.device_norm.enabled:
             # Several ranks: the gradient the optimizer gets is the data-parallel mean, not A_{K-1}.
-            self._norms.add("reduced", [value[i] for i in self.indices])
+            self._norms.add("reduced", [event.gradients[i] for i in self.indices])
+
+    def _add_norms(self, micro_step: int, value: GradientSnapshot) -> None:
+        self._micro_steps.append(micro_step)
+        if value.squared_norms is not None:
+            self._put_squared_norms(micro_step, value.squared_norms)
+            return
+        self._norms.add(("accumulated", micro_step), [value.accumulated[i] for i in self.indices])
+        if self.config.local_norm.enabled and value.micro is value.accumulated:
+            # Micro-step 0: the micro-batch's gradient is the accumulated one; read it once.
+            self._norms.alias(("micro", micro_step), ("accumulated", micro_step))
+        elif self.config.local_norm.enabled:
+            self._norms.add(("micro", micro_step), [value.micro[i] for i in self.indices])
 
     def _put_squared_norms(self, micro_step: int, squared: MicroStepNorms) -> None:
         self._norms.put(("accumulated", micro_step), squared.accumulated[self._index_array])
