@@ -243,8 +243,14 @@ def test_known_devices_have_sourced_peaks():
     a100 = peak_flops("NVIDIA A100-SXM4-80GB", ms.bfloat16)
     assert a100.flops_per_second == 312e12 and "A100" in a100.source and "datasheet" in a100.source.lower()
     h100 = peak_flops("NVIDIA H100 80GB HBM3", "bfloat16")
-    assert h100.flops_per_second == pytest.approx(989.4e12)
+    assert h100.flops_per_second == pytest.approx(989.5e12)
     assert peak_flops("NVIDIA A100-SXM4-80GB", "int4").flops_per_second is None
+    # the PCIe H100 is not taken for the SXM one, whose name it also contains
+    assert peak_flops("NVIDIA H100 PCIe", "bf16").flops_per_second == pytest.approx(756.5e12)
+    assert peak_flops("Tesla V100-SXM2-32GB", ms.float16).flops_per_second == 125e12
+    assert peak_flops("Tesla V100-SXM2-32GB", ms.bfloat16).flops_per_second is None   # no bf16 on V100
+    assert peak_flops("Ascend910A", "float16").flops_per_second == 256e12
+    assert peak_flops("Ascend910B2", "float16").flops_per_second is None   # no per-SoC figure published
 
 
 def test_unknown_device_has_no_mfu_and_says_so_once(caplog):

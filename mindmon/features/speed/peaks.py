@@ -1,8 +1,8 @@
 """The dense peak FLOP/s of a device for a dtype, from a table with a source for every figure, or from
 `peak_tflops` in the configuration (docs/flops.md, "Peaks").
 
-Only figures a vendor publishes are in the table, dense (without 2:4 sparsity, which the datasheets
-of A100 and later also print, at twice the value). A device or dtype that is not in it has no peak, and
+Only figures a vendor publishes are in the table, dense (without 2:4 sparsity: the H100 datasheet
+prints only the sparse Tensor Core figures and gives the dense ones as half of them). A device or dtype that is not in it has no peak, and
 so no MFU: never a guessed one.
 """
 import logging
@@ -33,9 +33,9 @@ DEVICES: Tuple[Device, ...] = (
     Device("NVIDIA V100 SXM2", r"V100-SXM", {"float16": 125.0, "float32": 15.7}, _V100),
     Device("NVIDIA V100 PCIe", r"V100-PCIE", {"float16": 112.0, "float32": 14.0}, _V100),
     Device("NVIDIA A100", r"\bA100\b", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}, _A100),
-    Device("NVIDIA H100 PCIe", r"\bH100 PCIE\b", {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0}, _H100),
+    Device("NVIDIA H100 PCIe", r"\bH100 PCIE\b", {"bfloat16": 756.5, "float16": 756.5, "float32": 51.0}, _H100),
     Device("NVIDIA H100 NVL", r"\bH100 NVL\b", {"bfloat16": 835.5, "float16": 835.5, "float32": 60.0}, _H100),
-    Device("NVIDIA H100 SXM", r"\bH100\b", {"bfloat16": 989.4, "float16": 989.4, "float32": 67.0}, _H100),
+    Device("NVIDIA H100 SXM", r"\bH100\b", {"bfloat16": 989.5, "float16": 989.5, "float32": 67.0}, _H100),
     Device("NVIDIA L40S", r"\bL40S\b", {"bfloat16": 362.05, "float16": 362.05, "float32": 91.6}, _L40S),
     Device("Ascend 910 (910A)", r"^ASCEND910A$", {"float16": 256.0}, _ASCEND_910),
 )
