@@ -2,8 +2,8 @@
 `peak_tflops` in the configuration (docs/flops.md, "Peaks").
 
 Only figures a vendor publishes are in the table, dense (without 2:4 sparsity: the H100 datasheet
-prints only the sparse Tensor Core figures and gives the dense ones as half of them). A device or dtype that is not in it has no peak, and
-so no MFU: never a guessed one.
+prints only the sparse Tensor Core figures and gives the dense ones as half of them). A device or dtype
+that is not in it has no peak, and so no MFU: never a guessed one.
 """
 import logging
 import re
