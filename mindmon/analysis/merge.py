@@ -20,6 +20,8 @@ DuckDB (mindmon.analysis.sql) gathers each key's values across ranks, a window o
 (about WINDOW_ROWS records), so memory stays bounded whatever the run's length; numpy computes each
 row from the values in rank order (the mean is numpy's, to the last bit). A rank that wrote a key
 twice (a JSONL run resumed before its last step) counts twice; merge says how many keys that hit.
+A rank whose file cannot be read (a cut Parquet file, a JSONL that is not JSON lines) is named in one line
+on `progress` and read from its other file or left out (mindmon.analysis.sql); the other ranks' rows stay.
 
 Example:
     path, flagged = merge("./output")     # ./output/merged.csv
@@ -160,7 +162,7 @@ def merge(run_dir: str, output: Optional[str] = None, factor: float = 5.0, memor
         raise ValueError(f"factor: got {factor}; allowed: a number > 1")
     output = output or os.path.join(run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir), "merged.csv")
     flagged, twice = [], 0
-    with Engine(run_dir, memory_limit, source=source) as engine, \
+    with Engine(run_dir, memory_limit, source=source, progress=progress) as engine, \
             open(output, "w", newline="", encoding="utf-8") as handle:
         windows = step_windows(engine.execute(STEP_ROWS_SQL).fetchall(), WINDOW_ROWS)
         placed = bool(engine.execute(MODEL_PARALLEL_SQL).fetchall()[0][0])

@@ -6,12 +6,18 @@ on every core, inside `memory_limit`, and spills what does not fit to a temporar
 A rank with a columnar file is read from it; a rank with only the JSONL is read from the JSONL
 (`source="jsonl"` or `"columnar"` forces one). The rank is the folder's, `rank_<r>`.
 
+A file the engine cannot read does not stop the others: a `metrics.parquet` cut short (a killed copy:
+no footer) is named in one line and the rank read from its `metrics.jsonl` instead when it has one
+(with `source="auto"`), else left out; a `metrics.jsonl` with no line that is a record (not JSON lines
+at all) is named and left out. The lines go to `progress` and stay in `Engine.notices`.
+
 Example:
     with Engine("./output/monitor") as engine:
         engine.execute("SELECT kind, count(*) FROM records GROUP BY kind").fetchall()
 """
 import os
 import shutil
+import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -70,6 +76,14 @@ def skipped_lines_sql(path: str) -> str:
            f"WHERE NOT ({JSONL_VALID})"
 
 
+def jsonl_by_rank(run_dir: str) -> Dict[int, str]:
+    """Every rank's `metrics.jsonl` at or below `run_dir`, by rank; empty when there is none."""
+    try:
+        return dict(metrics_files(run_dir))
+    except FileNotFoundError:
+        return {}
+
+
 def run_sources(run_dir: str, source: str = "auto") -> List[Tuple[int, str]]:
     """(rank, path) of the files the engine reads, by rank; FileNotFoundError when there are none."""
     if source not in SOURCES:
@@ -97,15 +111,69 @@ class Engine:
     (the temporary spill folder goes at exit)."""
 
     def __init__(self, run_dir: str, memory_limit: str = DEFAULT_MEMORY_LIMIT, threads: Optional[int] = None,
-                 source: str = "auto"):
-        self.sources = run_sources(run_dir, source)
+                 source: str = "auto", progress=sys.stderr):
+        found = run_sources(run_dir, source)
         self.spill = tempfile.mkdtemp(prefix="mindmon-duckdb-")
         self.con = duckdb().connect(config={"memory_limit": memory_limit, "temp_directory": self.spill,
                                             "threads": threads or os.cpu_count() or 1,
                                             "preserve_insertion_order": True})
         self.con.execute("SET enable_progress_bar = false")
         self._streams = 0
-        self.con.execute(f"CREATE TEMP VIEW records AS {self.records_sql(self.sources)}")
+        self.notices: List[str] = []
+        self._fallbacks: Optional[Dict[int, str]] = None if source == "auto" else {}
+        try:
+            self.sources = [pair for rank in sorted({r for r, _ in found})
+                            for pair in self._readable(run_dir, rank, [p for r, p in found if r == rank], progress)]
+            if not self.sources:
+                raise FileNotFoundError(f"no readable records file at or below {run_dir!r} (each one is named above)")
+            self.con.execute(f"CREATE TEMP VIEW records AS {self.records_sql(self.sources)}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _readable(self, run_dir: str, rank: int, paths: List[str], progress) -> List[Tuple[int, str]]:
+        """The rank's files the engine can read: its JSONL in place of a cut Parquet file (the JSONL holds
+        every step, so a stream next to the Parquet file goes too); each file left out is said once."""
+        for path in paths:
+            problem = self.parquet_problem(path) if path.endswith(".parquet") else None
+            if problem is None:
+                continue
+            if self._fallbacks is None:
+                self._fallbacks = jsonl_by_rank(run_dir)
+            instead = self._fallbacks.get(rank)
+            self._say(progress, f"mindmon: rank {rank}: {path} cannot be read (cut short? {problem}); "
+                                + (f"read {instead} instead" if instead else "its rows are left out"))
+            paths = [instead] if instead else [p for p in paths if p != path]
+            break
+        kept = []
+        for path in paths:
+            if path.endswith(".jsonl") and not self.has_records(path):
+                what = "is empty" if os.path.getsize(path) == 0 else "has no line that is a record (not JSON lines?)"
+                self._say(progress, f"mindmon: rank {rank}: {path} {what}; rank {rank} is left out")
+            else:
+                kept.append((rank, path))
+        return kept
+
+    def _say(self, progress, line: str) -> None:
+        self.notices.append(line)
+        if progress is not None:
+            print(line, file=progress, flush=True)
+
+    def parquet_problem(self, path: str) -> Optional[str]:
+        """Why DuckDB cannot open the Parquet file (a copy cut short has no footer), or None."""
+        try:
+            self.con.execute(f"SELECT 1 FROM read_parquet({_literal([path])}) LIMIT 0")
+        except duckdb().Error as error:
+            return str(error).splitlines()[0].replace(f" '{path}'", "")
+        return None
+
+    def has_records(self, path: str) -> bool:
+        """A line of the JSONL file is a record (read until the first one: the whole file only when none is)."""
+        read = JSONL_READ.format(files=_literal([path]), columns=JSONL_COLUMNS)
+        try:
+            return self.first(f"SELECT 1 FROM {read} WHERE {JSONL_VALID} LIMIT 1") is not None
+        except duckdb().Error:
+            return False
 
     def records_sql(self, sources: Sequence[Tuple[int, str]]) -> str:
         """A SELECT of SCHEMA's columns over these files, file after file, in each file's order."""
