@@ -9,6 +9,7 @@ _LAZY = {
     "MonitorGroup": ("mindmon.group", "MonitorGroup"),
     "build_group": ("mindmon.factory", "build_group"),
     "build_callbacks": ("mindmon.factory", "build_callbacks"),
+    "assemble": ("mindmon.factory", "assemble"),
     "MonitorConfig": ("mindmon.config", "MonitorConfig"),
     "ConfigError": ("mindmon.config", "ConfigError"),
     "parse_sections": ("mindmon.features", "parse_sections"),

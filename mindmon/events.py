@@ -15,8 +15,10 @@ A step, in the order the loop emits:
     UpdateDone                                   clipped and applied (or skipped)
     StepLoss                                     the step's mean loss
     StepEnd(step)                                emitted by MonitorGroup.flush, before the monitors collect
+    StepWritten(step)                            emitted by MonitorGroup.flush once every output has the step
 
-Every event carries `at`, the `time.perf_counter()` at which the group received it.
+Every event carries `at`, the `time.perf_counter()` at which the group received it, and `mindmon_seconds`,
+mindmon's own time since the last StepEnd at that moment (so a phase's time can leave mindmon's out).
 
 The newer MindFormers trainer's monitor protocol, `record(key, value, context)`, names some of these
 events by string; `from_record` maps that dialect onto them, so a trainer or plain loop written for it
@@ -25,7 +27,7 @@ drives the same monitors.
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
-from mindmon.progress import FORWARD_BACKWARD, MONITOR, REDUCE, UPDATE
+from mindmon.progress import DATA, FORWARD_BACKWARD, MONITOR, REDUCE, UPDATE
 
 
 @dataclass
@@ -46,6 +48,7 @@ class StepEvent:
     (mindmon.progress); None: it does not move the step to another phase."""
 
     at: float = field(default=0.0, init=False, compare=False)
+    mindmon_seconds: float = field(default=0.0, init=False, compare=False)
     PHASE = None  # type: Optional[str]
 
 
@@ -143,6 +146,15 @@ class StepEnd(StepEvent):
 
     step: int = 0
     monitor_seconds: float = 0.0
+    max_steps: Optional[int] = None   # the run's last step, when the loop told the group
+
+
+@dataclass
+class StepWritten(StepEvent):
+    """Step `step`'s records are in every output; the loop goes on to fetch the next batch."""
+
+    step: int = 0
+    PHASE = DATA
     PHASE = MONITOR
 
 

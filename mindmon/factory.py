@@ -142,8 +142,42 @@ def build_group(config: MindmonConfig, model=None, parameter_names: Sequence[str
     """The MonitorGroup of one rank: the monitors the config switches on (none on a rank that
     `monitor.ranks` leaves out) and the sinks they write to. `optimizer` and `global_batch_size`
     serve monitor_config's optimizer state and throughput; `layout` as for `build`."""
-    return group_of(build(config, model, parameter_names, rank, logger, on_host, data_parallel, optimizer,
-                          global_batch_size, layout=layout))
+    return assemble(config, model, optimizer, parameter_names, rank, logger, on_host, data_parallel, global_batch_size,
+                    layout=layout).group
+
+
+@dataclass
+class Run:
+    """One rank's monitoring, assembled: what every front door gets from `assemble` and only wires into
+    its own loop. `group` takes the step's events and writes the records; `callbacks` are the trainer
+    callbacks (MindFormers' `TrainerCallback` protocol) the run needs; `parts` the pieces a front door
+    attaches itself, by feature name (`tensor_stats`: a factory of the statistics' hooks)."""
+
+    config: MindmonConfig
+    group: MonitorGroup
+    callbacks: List[Any]
+    parts: Dict[str, Any]
+
+    def tensor_stats_hooks(self, **given):
+        """The tensor statistics' hooks recording into this run's group, or None when the config does not
+        switch them on (or this rank does not collect). `given`: the front door's own arguments."""
+        make = self.parts.get("tensor_stats")
+        return None if make is None else make(**{"recorder": self.group, **given})
+
+
+def assemble(config: MindmonConfig, model=None, optimizer=None, parameter_names: Optional[Sequence[str]] = None,
+             rank: Optional[int] = None, logger=None, on_host: Optional[bool] = None,
+             data_parallel: Optional[DataParallel] = None, global_batch_size: Optional[int] = None,
+             outputs: Optional[Sequence[Sink]] = None, layout=None, features: Sequence[Feature] = FEATURES) -> Run:
+    """The one assembly every front door calls (the MindFormers Trainer, a plain loop, msprobe's and kj600's
+    TrainerMon): every registered feature's parts for this rank (`build`), the group that routes between
+    them, and the trainer callbacks. `parameter_names` defaults to the optimizer's parameters' names."""
+    if parameter_names is None:
+        parameter_names = [p.name for p in optimizer.parameters] if optimizer is not None else []
+    built = build(config, model, parameter_names, rank, logger, on_host, data_parallel, optimizer, global_batch_size,
+                  outputs, features, layout)
+    group = group_of(built)
+    return Run(config, group, build_callbacks(group, config, features), built.parts)
 
 
 def group_of(built: Build) -> MonitorGroup:

@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from mindmon.engine import Monitor, RunInfo, Sink, SinkClosedError
-from mindmon.events import StepBegin, StepEnd, StepEvent, from_record
-from mindmon.progress import DATA, PROGRESS
+from mindmon.events import StepBegin, StepEnd, StepEvent, StepWritten, from_record
+from mindmon.progress import PROGRESS
 from mindmon.records import Record
 
 
@@ -100,6 +100,7 @@ class MonitorGroup:
 
     def _deliver(self, event: StepEvent) -> None:
         started = event.at = time.perf_counter()
+        event.mindmon_seconds = self._own_seconds
         if event.PHASE is not None:
             PROGRESS.enter(self._step, event.PHASE)
         for monitor in list(self.monitors):
@@ -127,13 +128,15 @@ class MonitorGroup:
         The fixed shapes come first, then one K-sized buffer per monitor that has one."""
         from mindspore import Tensor
 
-        payload = []
+        started, payload = time.perf_counter(), []
         for monitor, shapes in self._cross_rank:
             values = self._guard(monitor, monitor.cross_rank_sums) if monitor in self.monitors else None
             if values is None or [tuple(v.shape) for v in values] != shapes:
                 values = [Tensor(np.zeros(shape, np.float32)) for shape in shapes]
             payload += values
-        return payload + self._cross_rank_buffers(num_micro_steps)
+        payload += self._cross_rank_buffers(num_micro_steps)
+        self._own_seconds += time.perf_counter() - started
+        return payload
 
     def _cross_rank_buffers(self, num_micro_steps: int) -> list:
         """Every built monitor's buffer (a dropped one sends zeros), so every rank's payload keeps its size."""
@@ -150,7 +153,7 @@ class MonitorGroup:
         return payload
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        start = 0
+        started, start = time.perf_counter(), 0
         for monitor, shapes in self._cross_rank:
             part, start = list(sums[start:start + len(shapes)]), start + len(shapes)
             if monitor in self.monitors:
@@ -158,6 +161,7 @@ class MonitorGroup:
         for (monitor, _), summed in zip(self._buffers, sums[start:]):
             if monitor in self.monitors:
                 self._guard(monitor, monitor.receive_cross_rank_buffer, summed)
+        self._own_seconds += time.perf_counter() - started
 
     def shard_sums(self, num_micro_steps: int) -> list:
         """The monitors' arrays to be summed over a tensor- or context-parallel group (mindmon.parallel);
@@ -188,14 +192,14 @@ class MonitorGroup:
         the global norm before clipping, as `AccumulatingTrainStep` returns it) and every monitor's
         records to every sink, then the sinks flush."""
         self._step = step
-        end = StepEnd(step, self._own_seconds)
+        end = StepEnd(step, self._own_seconds, self._run.max_steps)
         self._deliver(end)
         started = end.at
         with _no_cycle_collection():
             self._write_step(step, loss, grad_norm, learning_rate)
         self._step = step + 1
-        PROGRESS.enter(self._step, DATA)
-        self._own_seconds = time.perf_counter() - started
+        self._own_seconds = time.perf_counter() - started   # the writing: the next window's mindmon time
+        self._deliver(StepWritten(step))
 
     def _write_step(self, step: int, loss, grad_norm, learning_rate) -> None:
         """`flush`'s work, in a function of its own: its records are freed when it returns, before the

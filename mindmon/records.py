@@ -49,6 +49,17 @@ LOSS_COMPONENT = "loss_component"            # one micro-batch's value of the co
 LOSS_COMPONENT_STEP = "loss_component_step"  # its mean over the step's micro-batches and the data-parallel ranks
 
 
+# Per-step time, throughput and memory (the speed feature); micro_step is None but for the per-micro-batch
+# `forward_backward`.
+STEP_TIME = "step_time"            # seconds: name "step" (the whole window) or a phase of it, or "compute"
+THROUGHPUT = "throughput"          # name samples_per_second, tokens_per_second (this rank), job_* (the job)
+WALL_CLOCK = "wall_clock"          # name "step_end": Unix time in seconds when the step's records were made
+ETA = "eta"                        # name "seconds": to the last step, at the mean step time so far
+MEMORY = "memory"                  # bytes: name peak_rss (the process, this step), device_peak_* (the device)
+SLOW_RANK = "slow_rank"            # name "rank <r>": its computing time / the median over the ranks (rank 0)
+SPEED_KINDS = (STEP_TIME, THROUGHPUT, WALL_CLOCK, ETA, MEMORY, SLOW_RANK)
+
+
 @dataclass(frozen=True)
 class Record:
     """One value: `step` is 1-based like MindFormers' `step:[  1/ 20]`; `micro_step` is 0-based,

@@ -7,7 +7,7 @@ from typing import List
 
 from mindmon.config import MindmonConfig, parse_config
 from mindmon.features import (across_ranks, alerts, loss_components, loss_scale, max_logits, moe_tokens,
-                              monitor_config, profiler, tensor_stats, train_state)
+                              monitor_config, profiler, speed, tensor_stats, train_state)
 
 FEATURES = (
     train_state.FEATURE,
@@ -20,6 +20,7 @@ FEATURES = (
     loss_components.FEATURE,   # after monitor_config: its TensorBoard tags wrap monitor_config's
     profiler.FEATURE,
     across_ranks.FEATURE,   # after train_state and moe_monitor: it reads their sections and monitor
+    speed.FEATURE,
 )
 
 

@@ -23,8 +23,8 @@ from mindmon.callbacks import MaxLogitsMonitor
 from mindmon.config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml
 from mindmon.features import parse_sections
 from mindmon.distributed import DataParallel
-from mindmon.factory import build, build_callbacks, group_of
-from mindmon.features.max_logits import MAX_LOGITS_CALLBACK
+from mindmon.factory import assemble
+from mindmon.features.max_logits import MAX_LOGITS_CALLBACK, MaxLogitsSection
 from mindmon.step import AccumulatingTrainStep, split_batch
 
 SUPPORTED_VERSIONS = ("1.9.",)
@@ -192,30 +192,26 @@ def _attach(trainer, config: MindmonConfig) -> None:
     _check_batch_size(trainer.train_dataset, training.global_batch_size // data_parallel, training.local_batch_size)
     logger = _mindformers_logger()
     config = _with_max_logits(trainer, config, logger)
-    names = [p.name for p in trainer.optimizer.parameters] if trainer.optimizer is not None else []
     layout = trainer_layout(trainer)
     reduction = layout.data_parallel if layout is not None else DataParallel(config.monitor.data_parallel_group)
-    built = build(config, model=trainer.model, parameter_names=names, rank=_rank(), logger=logger,
-                  data_parallel=reduction, optimizer=trainer.optimizer, global_batch_size=training.global_batch_size,
-                  layout=layout)
-    group = group_of(built)
-    for callback in build_callbacks(group, config):
+    run = assemble(config, model=trainer.model, optimizer=trainer.optimizer, rank=_rank(), logger=logger,
+                   data_parallel=reduction, global_batch_size=training.global_batch_size, layout=layout)
+    for callback in run.callbacks:
         trainer.callback_handler.add_callback(callback)
-    _attach_tensor_stats(trainer, built.parts.get("tensor_stats"), group)
-    trainer._mindmon = SimpleNamespace(config=config, group=group, data_parallel=reduction, train_step=None,
+    _attach_tensor_stats(trainer, run)
+    trainer._mindmon = SimpleNamespace(config=config, group=run.group, data_parallel=reduction, train_step=None,
                                        layout=layout)
 
 
-def _attach_tensor_stats(trainer, make_hooks, group) -> None:
+def _attach_tensor_stats(trainer, run) -> None:
     """`monitor.tensor_stats`: msprobe's parameter, gradient and optimizer-state hooks on this trainer's
     model and optimizer, recording into the run's group, which the trainer flushes (the gradients reach
     the optimizer as its call's argument, which is where `grad_reduced` is read)."""
     from mindmon.features.tensor_stats.hooks import attachment
 
-    if make_hooks is None or trainer.optimizer is None:
-        return
-    hooks = make_hooks(params_have_main_grad=False, recorder=group)
-    hooks.attach(attachment(trainer.model, trainer.num_accumulation_steps, trainer.optimizer))
+    hooks = run.tensor_stats_hooks(params_have_main_grad=False) if trainer.optimizer is not None else None
+    if hooks is not None:
+        hooks.attach(attachment(trainer.model, trainer.num_accumulation_steps, trainer.optimizer))
 
 
 def _check_batch_size(dataset, per_step: int, local_batch_size: int) -> None:
@@ -258,7 +254,9 @@ def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
         handler.add_callback(declared[0])
     others = tuple(c for c in config.callbacks if c.get("type") != MAX_LOGITS_CALLBACK)
     entries = tuple({"type": MAX_LOGITS_CALLBACK, "step_interval": c.step_interval} for c in declared)
-    return dataclasses.replace(config, callbacks=others + entries)
+    callbacks = others + entries
+    return dataclasses.replace(config, callbacks=callbacks).with_section(
+        "max_logits", MaxLogitsSection.parse("callbacks", callbacks))
 
 
 def _training_step(self, model, inputs, grad_fn):

@@ -143,18 +143,17 @@ class TrainerMon:
     def _build(self, config: TensorStatsConfig, watcher, later: Optional[TensorStatsConfig]) -> TensorStatsHooks:
         """The group (built by the factory from the translated config: `later`'s, when it is given, which
         asks for as much or more) and the feature's hooks, running `config` for now."""
-        from mindmon.factory import build, group_of
+        from mindmon.factory import assemble
 
         outputs_for = later or config
         sections = {"tensor_stats": outputs_for, "alert": outputs_for.alert}
         translated = MindmonConfig(MonitorConfig(output_dir=csv_output_root(), sections=sections))
-        built = build(translated, rank=self.rank, logger=logger,
-                      outputs=[s for s in [self.sink] if s is not None] + self.extra_sinks,
-                      data_parallel=DataParallel(), layout=self.pipeline)
-        self.group = group_of(built)
-        return built.parts["tensor_stats"](config=config, run_folder=self.run_folder, watcher=watcher,
-                                           on_step_end=self.group.flush, recorder=self.group,
-                                           params_have_main_grad=self.params_have_main_grad)
+        run = assemble(translated, rank=self.rank, logger=logger, parameter_names=(),
+                       outputs=[s for s in [self.sink] if s is not None] + self.extra_sinks,
+                       data_parallel=DataParallel(), layout=self.pipeline)
+        self.group = run.group
+        return run.tensor_stats_hooks(config=config, run_folder=self.run_folder, watcher=watcher,
+                                      on_step_end=self.group.flush, params_have_main_grad=self.params_have_main_grad)
 
     def take_optimizer(self, optimizer, config: TensorStatsConfig) -> None:
         """An optimizer given after set_monitor, before training: the hooks attach to it, with `config`

@@ -5,8 +5,6 @@ from mindmon.features.max_logits.config import MAX_LOGITS_CALLBACK, MaxLogitsSec
 
 
 def build(build, section: MaxLogitsSection) -> None:
-    # Read again from the callbacks: a trainer may declare the monitor in code (mindmon.integrations).
-    section = MaxLogitsSection.parse("callbacks", build.config.callbacks)
     if section.active and build.collects and build.model is not None:
         from mindmon.features.max_logits.monitor import MaxAttentionLogitMonitor
 

@@ -1,0 +1,187 @@
+"""SpeedMonitor: where one rank's step time goes, its throughput and memory, and, on rank 0, the spread of
+those over the data-parallel ranks and the slow rank.
+
+Every time comes from the step events' own timestamps (`event.at`, taken by the group as it receives
+them), so the monitor adds no clock read and no synchronisation of its own. A step's window runs from the
+previous StepEnd to its own; its phases (docs/semantics.md, "Step time") split it with nothing left over:
+
+    data              previous StepWritten  -> StepBegin            waiting for the next batch
+    forward_backward  StepBegin / MicroBatchEnd(k-1) -> MicroBatchEnd(k), one per micro-batch
+    reduce            ReduceBegin -> GradientsReduced               the gradients' collective
+    update            GradientsReduced -> UpdateDone                global norm, clipping, optimizer
+    mindmon           mindmon's own time in the window (its event handling, the previous step's writing)
+    other             the rest (the loop's own code between the update and the step's end)
+
+mindmon's time inside a phase's interval is taken out of that phase and counted under `mindmon`.
+
+Across ranks, each rank's row rides in the step's gradient all-reduce (one slot per data-parallel rank of
+a buffer summed over the ranks, so the sum is every rank's row): the computing time before the collective
+of this step, and the previous step's phases and throughput (the current step's are not over yet when the
+collective runs). Rank 0 writes their min / mean / max and the ranks of the extremes, and names a rank
+whose computing time exceeds `slow_rank_factor` times the median: all-reduce makes every rank's wall time
+equal, so the slow rank is the one that computed longest (and waited least inside the collective).
+"""
+import time
+from typing import List, Optional
+
+import numpy as np
+
+from mindmon.engine import Monitor
+from mindmon.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, StepEnd, StepWritten,
+                            UpdateDone)
+from mindmon.features.across_ranks.summaries import Column, summary_records
+from mindmon.features.speed.memory import MemoryPeaks
+from mindmon.records import ETA, MEMORY, SLOW_RANK, STEP_TIME, THROUGHPUT, WALL_CLOCK, Record
+
+PHASES = ("data", "forward_backward", "reduce", "update", "mindmon", "other")
+RATES = ("samples_per_second", "tokens_per_second", "job_samples_per_second", "job_tokens_per_second")
+# A rank's row in the cross-rank buffer: this step's computing time, then the previous step's figures.
+ROW = ("compute",) + ("step",) + PHASES + RATES
+
+
+def _between(start, end) -> float:
+    """Seconds from one event to the next, less mindmon's own time between them."""
+    own = end.mindmon_seconds - start.mindmon_seconds if end.mindmon_seconds >= start.mindmon_seconds else 0.0
+    return max(end.at - start.at - own, 0.0)
+
+
+class SpeedMonitor(Monitor):
+    """Example (what the group does; the loop only emits the step's events):
+        monitor = SpeedMonitor(rank=0)
+        for event in (StepBegin(), MicroBatchEnd(0, 8, 1024), ReduceBegin(), GradientsReduced(), UpdateDone(),
+                      StepEnd(1)):
+            monitor.on_event(event)
+        records = monitor.collect(1)   # step_time/*, throughput/*, wall_clock, memory, eta
+    """
+
+    EVENTS = (StepBegin, MicroBatchEnd, ReduceBegin, GradientsReduced, UpdateDone, StepEnd, StepWritten)
+
+    def __init__(self, rank: int = 0, data_parallel=None, global_batch_size: Optional[int] = None,
+                 slow_rank_factor: float = 1.2, memory: Optional[MemoryPeaks] = None):
+        self.rank = rank
+        self.data_parallel = data_parallel if data_parallel is not None and data_parallel.active else None
+        self.global_batch_size = global_batch_size
+        self.slow_rank_factor = slow_rank_factor
+        self.memory = memory if memory is not None else MemoryPeaks()
+        self._written: Optional[StepWritten] = None     # the previous step's end of writing
+        self._last_end: Optional[StepEnd] = None
+        self._first_end: Optional[StepEnd] = None
+        self._previous_row: Optional[np.ndarray] = None  # the last step's figures, for the next collective
+        self._events: dict = {}
+        self._micro: List[MicroBatchEnd] = []
+        self._rows: Optional[np.ndarray] = None
+
+    def reset(self) -> None:
+        self._events, self._micro, self._rows = {}, [], None
+
+    def on_event(self, event) -> None:
+        if isinstance(event, MicroBatchEnd):
+            self._micro.append(event)
+        elif isinstance(event, StepWritten):
+            self._written = event
+        else:
+            self._events[type(event)] = event
+
+    # The cross-rank buffer: one row per data-parallel rank, this rank's in its own slot.
+    def cross_rank_buffer_size(self, num_micro_steps: int) -> int:
+        return self.data_parallel.size * len(ROW) if self.data_parallel is not None else 0
+
+    def cross_rank_buffer(self, num_micro_steps: int):
+        from mindspore import Tensor
+
+        rows = np.zeros((self.data_parallel.size, len(ROW)), np.float32)
+        row = np.full(len(ROW), np.nan) if self._previous_row is None else self._previous_row.copy()
+        row[0] = self._compute_seconds()
+        rows[self.data_parallel.rank] = row
+        return Tensor(rows.reshape(-1))
+
+    def receive_cross_rank_buffer(self, summed) -> None:
+        self._rows = summed.asnumpy().astype(np.float64).reshape(self.data_parallel.size, len(ROW))
+
+    def _compute_seconds(self) -> float:
+        begin, reduce = self._events.get(StepBegin), self._events.get(ReduceBegin)
+        return reduce.at - begin.at if begin is not None and reduce is not None else float("nan")
+
+    def collect(self, step: int) -> List[Record]:
+        end = self._events.get(StepEnd)
+        if end is None or StepBegin not in self._events:
+            self.reset()
+            return []
+        phases = self._phases(end)
+        rates = self._rates(phases["step"])
+        records = [Record(step, None, self.rank, STEP_TIME, name, value) for name, value in phases.items()]
+        records += self._micro_records(step)
+        records += [Record(step, None, self.rank, THROUGHPUT, name, value) for name, value in rates.items()]
+        records.append(Record(step, None, self.rank, WALL_CLOCK, "step_end", time.time()))
+        records += [Record(step, None, self.rank, MEMORY, name, value) for name, value in self.memory.take().items()]
+        records += self._eta(step, end)
+        records += self._across_ranks(step)
+        self._previous_row = np.array([np.nan, phases["step"], *(phases[p] for p in PHASES),
+                                       *(rates.get(r, np.nan) for r in RATES)], np.float64)
+        self._last_end = end
+        self.reset()
+        return records
+
+    def _phases(self, end: StepEnd) -> dict:
+        events, begin = self._events, self._events[StepBegin]
+        start = self._last_end.at if self._last_end is not None else begin.at
+        step = end.at - start
+        data = _between(self._written, begin) if self._written is not None and self._last_end is not None else 0.0
+        marks = [begin] + self._micro
+        forward_backward = sum(_between(a, b) for a, b in zip(marks, marks[1:]))
+        reduce = _between(events[ReduceBegin], events[GradientsReduced]) \
+            if ReduceBegin in events and GradientsReduced in events else 0.0
+        update = _between(events[GradientsReduced], events[UpdateDone]) \
+            if GradientsReduced in events and UpdateDone in events else 0.0
+        mindmon = end.monitor_seconds
+        other = max(step - data - forward_backward - reduce - update - mindmon, 0.0)
+        return {"step": step, "data": data, "forward_backward": forward_backward, "reduce": reduce,
+                "update": update, "mindmon": mindmon, "other": other, "compute": self._compute_seconds()}
+
+    def _micro_records(self, step: int) -> List[Record]:
+        marks = [self._events[StepBegin]] + self._micro
+        return [Record(step, b.micro_step, self.rank, STEP_TIME, "forward_backward", _between(a, b))
+                for a, b in zip(marks, marks[1:])]
+
+    def _rates(self, seconds: float) -> dict:
+        samples = sum(m.samples for m in self._micro if m.samples is not None) or None
+        tokens = sum(m.tokens for m in self._micro if m.tokens is not None) or None
+        if seconds <= 0 or samples is None:
+            return {}
+        replicas = self.data_parallel.size if self.data_parallel is not None else 1
+        job_samples = self.global_batch_size or samples * replicas
+        rates = {"samples_per_second": samples / seconds, "job_samples_per_second": job_samples / seconds}
+        if tokens is not None:
+            rates["tokens_per_second"] = tokens / seconds
+            rates["job_tokens_per_second"] = tokens / samples * job_samples / seconds
+        return rates
+
+    def _eta(self, step: int, end: StepEnd) -> List[Record]:
+        """Seconds to the last step at the mean step time since the first step this process wrote."""
+        if self._first_end is None:
+            self._first_end = end
+            return []
+        if end.max_steps is None or end.step <= self._first_end.step:
+            return []
+        per_step = (end.at - self._first_end.at) / (end.step - self._first_end.step)
+        return [Record(step, None, self.rank, ETA, "seconds", max(end.max_steps - step, 0) * per_step)]
+
+    def _across_ranks(self, step: int) -> List[Record]:
+        if self._rows is None or self.data_parallel is None or self.data_parallel.rank != 0:
+            return []
+        rows = self._rows
+        records = summary_records(step, self.rank, [Column(None, f"{STEP_TIME}/compute")], rows[:, :1])
+        if not np.isnan(rows[:, 1]).any():   # the previous step's figures: none at the first step
+            columns = [Column(None, f"{STEP_TIME}/{name}") for name in ROW[1:1 + 1 + len(PHASES)]]
+            columns += [Column(None, f"{THROUGHPUT}/{name}") for name in RATES]
+            records += summary_records(step - 1, self.rank, columns, rows[:, 1:])
+        return records + self._slow_ranks(step, rows[:, 0])
+
+    def _slow_ranks(self, step: int, compute: np.ndarray) -> List[Record]:
+        """The ranks whose computing time before the collective is over `slow_rank_factor` x the median;
+        value: that ratio."""
+        median = float(np.median(compute))
+        if not median > 0:
+            return []
+        return [Record(step, None, self.rank, SLOW_RANK, f"rank {r}", float(c / median))
+                for r, c in enumerate(compute) if c > self.slow_rank_factor * median]

@@ -1,0 +1,129 @@
+"""`monitor.speed` on one rank: every time a record holds against the test's own clock around the same
+region, the phases adding up to the step, throughput from the records' own parts, a planted allocation in
+the step's peak memory, the ETA."""
+import time
+
+import numpy as np
+import pytest
+from mindspore import Tensor, nn
+
+from conftest import read_jsonl
+from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
+from mindmon.config import ConfigError
+from scripts.plain_loop_job import Regression
+
+pytestmark = pytest.mark.ms27
+
+STEPS, K, SAMPLES = 5, 2, 8
+SLOW_STEP, SLOW_MICRO, SLOW = 3, 1, 0.30    # a sleep in one micro-batch's forward
+DATA_WAIT = 0.12                            # the loop sleeps this long before each step's batch
+OTHER = 0.05                                # and this long between the update and the step's end
+PLANTED = 400 * 2 ** 20                     # bytes allocated and freed inside step 4
+# The test's clock reads sit a few statements from the group's, and a loaded machine may preempt either for a
+# scheduler slice: the tolerance on a region's time. The planted times are 5x it and more.
+TOLERANCE = 0.02
+
+
+def _batches(rng):
+    x = rng.normal(size=(SAMPLES, 3)).astype(np.float32)
+    return Tensor(x), Tensor((x @ np.array([[1.0], [-2.0], [0.5]])).astype(np.float32))
+
+
+def _run(tmp_path, rng):
+    """A plain loop with sleeps in known places; returns the records by step and the test's own clock."""
+    net = Regression()
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.01)
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "speed": {"enabled": True},
+                                                    "train_state": {"local_loss": True}}}),
+                        parameter_names=[p.name for p in optimizer.parameters])
+    calls = {"step": 0, "micro": 0}
+
+    def loss_fn(x, y):
+        if calls["step"] == SLOW_STEP and calls["micro"] == SLOW_MICRO:
+            time.sleep(SLOW)
+        calls["micro"] += 1
+        return net(x, y)
+
+    train_step = AccumulatingTrainStep(loss_fn, optimizer, num_micro_steps=K, group=group, max_norm=0.0)
+    group.setup(max_steps=10)
+    clock = {"flush": {}, "data": {}, "train": {}, "other": {}}
+    batch = _batches(rng)
+    for step in range(1, STEPS + 1):
+        calls["step"], calls["micro"] = step, 0
+        started = time.perf_counter()
+        time.sleep(DATA_WAIT)
+        clock["data"][step] = time.perf_counter() - started
+        started = time.perf_counter()
+        train_step(split_batch(batch, K))
+        clock["train"][step] = time.perf_counter() - started
+        started = time.perf_counter()
+        if step == 4:
+            planted = np.ones(PLANTED // 8)
+            del planted
+        time.sleep(OTHER)
+        clock["other"][step] = time.perf_counter() - started
+        clock["flush"][step] = time.perf_counter()
+        group.flush(step)
+    group.close()
+    records = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    by_step = {s: {(r["kind"], r["name"], r["micro_step"]): r["value"] for r in records if r["step"] == s}
+               for s in range(1, STEPS + 1)}
+    return by_step, clock
+
+
+def test_step_time_phases_and_throughput_against_the_tests_clock(tmp_path, rng):
+    by_step, clock = _run(tmp_path, rng)
+    for step in range(2, STEPS + 1):
+        got = by_step[step]
+        time_of = {name: got[("step_time", name, None)] for name in
+                   ("step", "data", "forward_backward", "reduce", "update", "mindmon", "other", "compute")}
+        # the window: from the previous step's end to this one's, as the test saw the flush calls
+        assert time_of["step"] == pytest.approx(clock["flush"][step] - clock["flush"][step - 1], abs=TOLERANCE)
+        parts = sum(time_of[p] for p in ("data", "forward_backward", "reduce", "update", "mindmon", "other"))
+        assert parts == pytest.approx(time_of["step"], abs=1e-9)
+        assert time_of["data"] == pytest.approx(clock["data"][step], abs=TOLERANCE)
+        assert time_of["other"] == pytest.approx(clock["other"][step], abs=TOLERANCE)
+        # the train step's call holds forward/backward, the update and mindmon's event handling in it
+        inside = time_of["forward_backward"] + time_of["reduce"] + time_of["update"]
+        assert inside <= clock["train"][step] + 1e-4
+        assert inside >= clock["train"][step] - time_of["mindmon"] - 3e-3
+        micro = [got[("step_time", "forward_backward", k)] for k in range(K)]
+        assert sum(micro) == pytest.approx(time_of["forward_backward"], abs=1e-9)
+        slowed = step == SLOW_STEP
+        assert (micro[SLOW_MICRO] >= SLOW) == slowed
+        assert time_of["compute"] >= time_of["forward_backward"]
+        rates = {name: got[("throughput", name, None)] for name in
+                 ("samples_per_second", "job_samples_per_second")}
+        assert rates["samples_per_second"] == pytest.approx(SAMPLES / time_of["step"], rel=1e-12)
+        assert rates["job_samples_per_second"] == pytest.approx(SAMPLES / time_of["step"], rel=1e-12)
+        # tokens: the first column (8, 3) is read as 8 sequences of 3 tokens
+        assert got[("throughput", "tokens_per_second", None)] == pytest.approx(SAMPLES * 3 / time_of["step"])
+        assert abs(got[("wall_clock", "step_end", None)] - time.time()) < 60
+
+
+def test_eta_is_the_mean_step_time_times_the_steps_left(tmp_path, rng):
+    by_step, _ = _run(tmp_path, rng)
+    assert ("eta", "seconds", None) not in by_step[1]
+    for step in range(2, STEPS + 1):
+        mean = np.mean([by_step[s][("step_time", "step", None)] for s in range(2, step + 1)])
+        assert by_step[step][("eta", "seconds", None)] == pytest.approx((10 - step) * mean, rel=1e-9)
+
+
+def test_a_planted_allocation_shows_in_its_steps_peak_memory(tmp_path, rng):
+    by_step, _ = _run(tmp_path, rng)
+    peaks = {s: by_step[s][("memory", "peak_rss", None)] for s in range(2, STEPS + 1)}
+    others = [peaks[s] for s in peaks if s != 4]
+    assert peaks[4] >= min(others) + 0.95 * PLANTED
+    assert max(others) < min(others) + 0.5 * PLANTED   # reset every step: step 5 does not carry step 4's peak
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"enabled": "yes"}, "monitor.speed.enabled: got 'yes'"),
+    ({"slow_rank_factor": 1.0}, "monitor.speed.slow_rank_factor: got 1.0; allowed: a finite number > 1"),
+    ({"peak_tflops": -3}, "monitor.speed.peak_tflops: got -3"),
+    ({"hang_afterr": 3}, "hang_after"),
+])
+def test_bad_values_are_refused_in_one_line(section, message):
+    with pytest.raises(ConfigError) as error:
+        parse_sections({"monitor": {"speed": section}})
+    assert message in str(error.value) and "\n" not in str(error.value)
