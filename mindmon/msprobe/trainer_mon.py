@@ -105,14 +105,21 @@ class TrainerMon:
         if self.hooks is not None:
             self.hooks.set_ops(self._ops)
 
-    def set_monitor(self, model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None,
-                    start_iteration: int = 0, *, later: Optional[TensorStatsConfig] = None) -> None:
-        """Attach to `model`'s cells and parameters and this `optimizer` instance. `model` may be the list of
-        a virtual pipeline's chunks: their names get msprobe's `<chunk>:` prefix (mindmon.chunks) and the
-        CSV's `vpp_stage` column is the chunk. Checks everything before
-        training. With DYNAMIC_MONITOR=True only the step-end hook is attached until config.json says
+    def set_monitor(self, model, *args, later: Optional[TensorStatsConfig] = None, **kwargs) -> None:
+        """Attach to `model`'s cells and parameters and this `optimizer` instance. Both argument orders are
+        taken: msprobe's MindSpore code's `(model, optimizer, grad_acc_steps=1, tp_group=None, dp_group=None,
+        start_iteration=0)` and the documented `(model, grad_acc_steps, optimizer, dp_group=None,
+        tp_group=None, start_iteration=0)`, told apart by the second argument (an optimizer has
+        `.parameters`). `model` may be the list of a virtual pipeline's chunks: their names get msprobe's
+        `<chunk>:` prefix (mindmon.chunks) and the CSV's `vpp_stage` column is the chunk. Checks everything
+        before training. With DYNAMIC_MONITOR=True only the step-end hook is attached until config.json says
         `dynamic_on: true` (mindmon/features/tensor_stats/dynamic.py). `later` (mindmon's): the configuration
         that applies once `take_optimizer` gives the optimizer it needs; the outputs are built for it."""
+        given = set_monitor_arguments(args, kwargs)
+        self._attach(model, later=later, **given)
+
+    def _attach(self, model, grad_acc_steps: int, optimizer, dp_group=None, tp_group=None, start_iteration: int = 0,
+                *, later: Optional[TensorStatsConfig] = None) -> None:
         for key, value, low in (("grad_acc_steps", grad_acc_steps, 1), ("start_iteration", start_iteration, 0)):
             if not is_int(value) or value < low:
                 raise ConfigError(f"{key}: got {value!r}; allowed: an int >= {low}")
@@ -187,7 +194,8 @@ class TrainerMon:
         optimizer = optimizer if optimizer is not None else self.wrapped_optimizer
         if optimizer is None:
             raise ConfigError("optimizer: got None; allowed: the optimizer, given here or to set_wrapped_optimizer")
-        self.set_monitor(model, grad_acc_steps, optimizer, dp_group, tp_group, start_iteration)
+        self.set_monitor(model, grad_acc_steps=grad_acc_steps, optimizer=optimizer, dp_group=dp_group,
+                         tp_group=tp_group, start_iteration=start_iteration)
 
     def generate_wgrad_metrics(self) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, float]]]:
         """Statistics of the gradients now: (reduced, unreduced), each {parameter name: {op: value}}.
@@ -210,6 +218,39 @@ class TrainerMon:
             self.hooks.detach()
         if self.group is not None:
             self.group.close()
+
+
+DOCUMENTED_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iteration")
+MSPROBE_MINDSPORE_ORDER = ("optimizer", "grad_acc_steps", "tp_group", "dp_group", "start_iteration")
+SET_MONITOR_DEFAULTS = {"grad_acc_steps": 1, "dp_group": None, "tp_group": None, "start_iteration": 0}
+
+
+def set_monitor_arguments(args: tuple, kwargs: dict) -> dict:
+    """`set_monitor`'s arguments after the model, by name, in either order: msprobe's MindSpore code puts
+    the optimizer second (and tp_group before dp_group), its documentation grad_acc_steps second. An int
+    cannot be an optimizer and an optimizer is no int, so the second argument's type decides."""
+    order = MSPROBE_MINDSPORE_ORDER if args and is_optimizer(args[0]) else DOCUMENTED_ORDER
+    if len(args) > len(order):
+        raise ConfigError(f"set_monitor: got {len(args) + 1} positional arguments; allowed: at most "
+                          f"{len(order) + 1} (model, {', '.join(order)})")
+    unknown = sorted(set(kwargs) - set(order))
+    if unknown:
+        raise ConfigError(f"set_monitor: got the keyword {unknown[0]!r}; allowed: {', '.join(order)}")
+    given = dict(zip(order, args))
+    twice = sorted(set(given) & set(kwargs))
+    if twice:
+        raise ConfigError(f"set_monitor: {twice[0]} given twice (by position and by keyword); allowed: once")
+    given.update(kwargs)
+    if "optimizer" not in given:
+        raise ConfigError("set_monitor: optimizer missing; allowed: set_monitor(model, optimizer, "
+                          "grad_acc_steps=1, ...) or set_monitor(model, grad_acc_steps, optimizer, ...)")
+    return {**SET_MONITOR_DEFAULTS, **given}
+
+
+def is_optimizer(value) -> bool:
+    """An optimizer (or a wrapper of one whose `step()` runs the update): something with `.parameters` or a
+    `step` method; never an int."""
+    return not isinstance(value, int) and (hasattr(value, "parameters") or callable(getattr(value, "step", None)))
 
 
 def pipeline_layout(process_group) -> Optional[ParallelLayout]:

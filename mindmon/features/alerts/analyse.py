@@ -9,7 +9,9 @@ folder holding it), keeps the steps asked for, orders the entries by
      in the others both descending (the backward pass's order), then call_id, rank)
 
 and writes the first k to `anomaly_analyse.json` (default: in DIR), keyed as in anomaly.json,
-in that order. It reads msprobe's own dumps too (phase then comes from the tag name).
+in that order. It reads msprobe's own dumps too: the phase then comes from the tag name as msprobe's
+analyser takes it (`.../actv` forward; `.../param_origin`, `.../param_updated` before the forward;
+`..._grad` gradients; `.../exp_avg[_sq]` optimizer), older tag forms (`.../input`, `.../output_1`) forward.
 
 Example:
     mindmon anomalies -d output/monitor/anomaly_detected -k 5 -s 3-6
@@ -29,6 +31,11 @@ ANALYSE_FILE = "anomaly_analyse.json"
 FORWARD_KINDS = ("actv", "local_loss", "max_attention_logit", "tokens_per_expert")
 GRADIENT_KINDS = ("actv_grad", "grad_unreduced", "local_norm", "micro_norm", "grad_reduced", "device_norm",
                   "grad_norm")
+# msprobe's analyser stages its dump's entries by the tag's last part: `actv` is the forward (MindSpore's
+# `0:fc1.input:0/rank0/actv`), and points it has no stage for (the parameters before and after the
+# update) come before every stage of their micro-step.
+MSPROBE_FORWARD_POINTS = ("actv",)
+MSPROBE_UNSTAGED_POINTS = ("param_origin", "param_updated")
 
 
 # The order of the module docstring, in DuckDB: ties keep the file order (rank folders sorted, then
@@ -42,7 +49,10 @@ entries AS (
 ),
 phased AS (
     SELECT *, CASE WHEN kind IS NULL THEN
-                  CASE WHEN ends_with(tag, '_grad') THEN 1 WHEN regexp_matches(tag, '/(input|output)(_\\d+)?$') THEN 0
+                  -- msprobe's stage of its point (the tag's last part), before the older tag forms
+                  CASE WHEN list_contains($msprobe_forward, regexp_extract(tag, '[^/]*$')) THEN 0
+                       WHEN list_contains($msprobe_first, regexp_extract(tag, '[^/]*$')) THEN -1
+                       WHEN ends_with(tag, '_grad') THEN 1 WHEN regexp_matches(tag, '/(input|output)(_\\d+)?$') THEN 0
                        WHEN contains(tag, 'exp_avg') THEN 2 ELSE 1 END
               WHEN list_contains($forward, kind) THEN 0 WHEN list_contains($gradient, kind) THEN 1 ELSE 2 END
               AS phase
@@ -103,6 +113,8 @@ def top_anomalies(paths: Sequence[str], k: int, steps: Optional[set] = None) -> 
     try:
         order = con.execute(ORDER_SQL, {"paths": list(paths), "k": k, "forward": list(FORWARD_KINDS),
                                         "gradient": list(GRADIENT_KINDS),
+                                        "msprobe_forward": list(MSPROBE_FORWARD_POINTS),
+                                        "msprobe_first": list(MSPROBE_UNSTAGED_POINTS),
                                         "steps": None if steps is None else sorted(steps)}).fetchall()
     finally:
         con.close()

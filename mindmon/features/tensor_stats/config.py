@@ -176,7 +176,15 @@ def _alert(path: str, section: Any):
         return None
     from mindmon.features.alerts.config import AlertConfig
 
-    return AlertConfig.parse(key_path(path, "alert"), section, dialect="msprobe")
+    alert_path = key_path(path, "alert")
+    if isinstance(section, dict) and section.get("rules") == []:
+        # msprobe loads an empty rule list as "no alerts"; the block's other keys are still checked
+        rest = check_keys(alert_path, section, AlertConfig.KEYS)
+        for flag in ("dump", "stop_on_anomaly", "skip_nonfinite_update"):
+            if flag in rest:
+                check_bool(f"{alert_path}.{flag}", rest[flag])
+        return AlertConfig(path=alert_path, dialect="msprobe")
+    return AlertConfig.parse(alert_path, section, dialect="msprobe")
 
 
 
