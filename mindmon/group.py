@@ -153,7 +153,9 @@ class MonitorGroup:
         return payload
 
     def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        started, start = time.perf_counter(), 0
+        """The sums back. Not counted as mindmon's own time: MindSpore's collective may return before it
+        completes (it does on CPU), and the first read of its result, here, is where the step waits for it."""
+        start = 0
         for monitor, shapes in self._cross_rank:
             part, start = list(sums[start:start + len(shapes)]), start + len(shapes)
             if monitor in self.monitors:
@@ -161,7 +163,6 @@ class MonitorGroup:
         for (monitor, _), summed in zip(self._buffers, sums[start:]):
             if monitor in self.monitors:
                 self._guard(monitor, monitor.receive_cross_rank_buffer, summed)
-        self._own_seconds += time.perf_counter() - started
 
     def shard_sums(self, num_micro_steps: int) -> list:
         """The monitors' arrays to be summed over a tensor- or context-parallel group (mindmon.parallel);
