@@ -1,7 +1,10 @@
-"""One anomaly: what fired, on which value, and where it sits in the run (for ordering)."""
+"""One anomaly: what fired, on which value, and where it sits in the run (for ordering). A run event
+(started, crashed, a hang, ...: mindmon.features.alerts.lifecycle) travels as an anomaly with
+`details`, so it takes the same buffer, spool, retries and `mindmon alerts resend`."""
+import json
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 # msprobe's anomaly.json fields, in its order; mindmon adds the fields after them.
 DUMP_FIELDS = ("rank", "step", "micro_step", "pp_stage", "vpp_stage", "call_id", "tag_name", "message",
@@ -25,6 +28,11 @@ class Anomaly:
     pp_stage: int = 0
     vpp_stage: int = 0
     group_mates: List[int] = field(default_factory=list)
+    details: Optional[Dict[str, Any]] = None   # a run event's facts (JSON values); None for an anomaly
+
+    @property
+    def is_event(self) -> bool:
+        return self.details is not None
 
     @property
     def key(self) -> str:
@@ -37,6 +45,8 @@ class Anomaly:
         out = {name: getattr(self, name) for name in DUMP_FIELDS + EXTRA_FIELDS}
         out["group_mates"] = list(self.group_mates)
         out["value"] = self.value if math.isfinite(self.value) else str(self.value)  # strict JSON: no NaN
+        if self.details is not None:
+            out["details"] = self.details
         return out
 
     def row(self) -> dict:
@@ -45,16 +55,20 @@ class Anomaly:
         out["value"] = self.value if math.isfinite(self.value) else None
         out["value_text"] = repr(self.value)
         out["group_mates"] = ",".join(str(r) for r in self.group_mates)
+        out["details"] = None if self.details is None else json.dumps(self.details, sort_keys=True)
         return out
 
 
 def anomaly_key(run_id: str, anomaly: Anomaly) -> str:
     """The idempotency key of one anomaly: a hash of run id, rank, step, micro-step, tag and
-    statistic (64 hex digits, short enough for a unique index on every database)."""
+    statistic (64 hex digits, short enough for a unique index on every database). A run event's key
+    also covers its details (which hold the instant it was reported): two hangs at one step are two
+    events, one event spooled and sent again is one."""
     import hashlib
-    import json
 
     parts = [run_id, anomaly.rank, anomaly.step, anomaly.micro_step, anomaly.tag_name, anomaly.statistic]
+    if anomaly.details is not None:
+        parts.append(json.dumps(anomaly.details, sort_keys=True))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
@@ -63,7 +77,7 @@ def anomaly_from_json(entry: dict) -> Anomaly:
     fields = {name: entry[name] for name in DUMP_FIELDS + EXTRA_FIELDS if name in entry}
     fields["value"] = float(fields["value"])    # "nan", "inf", "-inf" back to floats
     fields["group_mates"] = list(fields.get("group_mates", []))
-    return Anomaly(**fields)
+    return Anomaly(**fields, details=entry.get("details"))
 
 
 @dataclass(frozen=True)
@@ -79,14 +93,10 @@ class KeyedAnomaly:
         return cls(run_id, anomaly_key(run_id, anomaly), anomaly)
 
     def to_line(self) -> str:
-        import json
-
         return json.dumps({"run_id": self.run_id, "key": self.key, "anomaly": self.anomaly.to_json()},
                           allow_nan=False) + "\n"
 
     @classmethod
     def from_line(cls, line: str) -> "KeyedAnomaly":
-        import json
-
         entry = json.loads(line)
         return cls(entry["run_id"], entry["key"], anomaly_from_json(entry["anomaly"]))

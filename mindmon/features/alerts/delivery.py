@@ -24,6 +24,9 @@ MAX_ERRORS_KEPT = 20
 
 def failure_cause(error: BaseException) -> str:
     """A short name for why an attempt failed, the same for every driver where it can be told."""
+    named = getattr(error, "cause", None)   # a webhook's refusal names itself (`HTTP 500`, `refused (errcode 310000)`)
+    if isinstance(named, str):
+        return named
     text = str(error).lower()
     if isinstance(error, (socket.timeout, TimeoutError)) or "timed out" in text or "timeout expired" in text:
         return "timeout"
@@ -121,6 +124,10 @@ class Deliverer:
             self._logged.add(key)
             self.logger.log(level, message, *args)
 
+    def wants(self, anomaly: Anomaly) -> bool:
+        """Every anomaly; a run event when the recipient's `events` names its kind."""
+        return not anomaly.is_event or anomaly.kind in self.recipient.inform.events
+
     def submit(self, anomalies: Sequence[Anomaly]) -> None:
         """Never waits for the network: what fits neither in memory nor in the spool is dropped,
         counted and logged once (it is still logged and dumped)."""
@@ -170,21 +177,22 @@ class Deliverer:
             self._failed(len(batch), error)
             return False
         self.buffer.done(len(batch))
+        anomalies = sum(1 for item in batch if not item.anomaly.is_event)   # events are always in full
         with self._lock:
             self.report.delivered += len(batch)
-            self.report.folded += max(0, len(batch) - getattr(self.recipient, "listed", len(batch)))
+            self.report.folded += max(0, anomalies - getattr(self.recipient, "listed", anomalies))
         if self._outage_started is not None:
             self.logger.warning("mindmon alerts: delivery to %s works again after %.1f s; %d anomalies still wait",
                                 self.report.recipient, time.monotonic() - self._outage_started, len(self.buffer))
             self._outage_started = None
         self._last_cause = None
-        self._note_digest(len(batch))
+        self._note_digest(anomalies)
         return True
 
     def _note_digest(self, n: int) -> None:
         listed = getattr(self.recipient, "listed", None)
         if listed is not None and n > listed:
-            self.logger.info("mindmon alerts: %s: one e-mail carries %d anomalies: %d listed in full, %d folded "
+            self.logger.info("mindmon alerts: %s: one message carries %d anomalies: %d listed in full, %d folded "
                              "into counts by rule and tag", self.report.recipient, n, listed, n - listed)
 
     def _failed(self, n: int, error: Exception) -> None:

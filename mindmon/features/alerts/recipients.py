@@ -1,24 +1,28 @@
-"""The two recipients of `alert.inform`: a database table (SQLAlchemy) and e-mail (smtplib).
+"""The recipients of `alert.inform`: a database table (SQLAlchemy), e-mail (smtplib) and a webhook
+(mindmon.features.alerts.webhook).
 
 Each has `deliver(items)` (raises on any failure; the caller retries the same items), `batch_limit`
 (how many items one call takes) and `min_interval` (seconds between two calls; e-mail's digest
 interval). A database insert is idempotent: every row carries its anomaly's key under a unique
 constraint, and a row whose key is already there is skipped, so a batch retried after a commit
-whose answer was lost arrives once.
+whose answer was lost arrives once. Run events are rows of the same table, their facts as JSON in
+`details`.
 """
 import hashlib
 import smtplib
 import ssl
-from collections import Counter
 from datetime import datetime, timezone
 from email.message import EmailMessage
 from typing import List, Sequence
 
 from mindmon.config import ConfigError
 from mindmon.features.alerts.anomaly import KeyedAnomaly
-from mindmon.features.alerts.inform import DatabaseInform, DEFAULT_TABLE, EmailInform, mask_secrets, masked_url
+from mindmon.features.alerts.inform import (DatabaseInform, DEFAULT_TABLE, EmailInform, WebhookInform, mask_secrets,
+                                            masked_url)
+from mindmon.features.alerts.render import body, title
 
 KEY_COLUMN = "anomaly_key"
+DETAILS_COLUMN = "details"
 
 
 def _connect_args(inform: DatabaseInform) -> dict:
@@ -35,7 +39,7 @@ def _connect_args(inform: DatabaseInform) -> dict:
     return {}
 
 
-def anomaly_table(metadata, name: str):
+def anomaly_table(metadata, name: str, details: bool = True):
     from sqlalchemy import Column, DateTime, Float, Integer, String, Table, Text
 
     return Table(name, metadata,
@@ -46,7 +50,8 @@ def anomaly_table(metadata, name: str):
                  Column("pp_stage", Integer), Column("vpp_stage", Integer), Column("call_id", Integer),
                  Column("tag_name", String(512)), Column("kind", String(128)), Column("name", String(512)),
                  Column("statistic", String(64)), Column("value", Float), Column("value_text", String(64)),
-                 Column("rule_name", String(64)), Column("message", Text), Column("group_mates", Text))
+                 Column("rule_name", String(64)), Column("message", Text), Column("group_mates", Text),
+                 *([Column(DETAILS_COLUMN, Text)] if details else []))
 
 
 def insert_skipping_duplicates(connection, table, rows: List[dict]) -> None:
@@ -95,6 +100,7 @@ class DatabaseRecipient:
                               f"{mask_secrets(str(error), inform.secrets())}; install the driver the URL "
                               f"names (e.g. psycopg2-binary, pymysql)") from None
         self.table = None
+        self.has_details = True
 
     def _open_table(self):
         from sqlalchemy import MetaData, inspect
@@ -106,7 +112,9 @@ class DatabaseRecipient:
         if KEY_COLUMN not in columns:
             raise RuntimeError(f"table {self.inform.table} has no column {KEY_COLUMN} (made by an older mindmon): "
                                f"name a new table, or add the column (64 characters) with a unique index")
-        return table
+        # a table made before run events had details: events arrive without them (their message stays)
+        self.has_details = DETAILS_COLUMN in columns
+        return table if self.has_details else anomaly_table(MetaData(), self.inform.table, details=False)
 
     def deliver(self, items: Sequence[KeyedAnomaly]) -> None:
         if self.table is None:
@@ -114,6 +122,9 @@ class DatabaseRecipient:
         now = datetime.now(timezone.utc)
         rows = [{**item.anomaly.row(), "created_at": now, "run_id": item.run_id, KEY_COLUMN: item.key}
                 for item in items]
+        if not self.has_details:
+            for row in rows:
+                del row[DETAILS_COLUMN]
         with self.engine.begin() as connection:
             insert_skipping_duplicates(connection, self.table, rows)
 
@@ -122,18 +133,8 @@ class DatabaseRecipient:
 
 
 def email_body(items: Sequence[KeyedAnomaly], listed: int) -> str:
-    """Counts by rule and tag, then the first `listed` anomalies in full."""
-    anomalies = [item.anomaly for item in items]
-    counts = Counter((a.rule_name, a.tag_name, a.statistic) for a in anomalies)
-    lines = [f"{len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} detected by mindmon.", "",
-             "By rule and tag:"]
-    lines += [f"  {count:>7}  {rule}  {tag} {statistic}" for (rule, tag, statistic), count in counts.most_common()]
-    lines += ["", f"The first {min(listed, len(anomalies))} in full:"] if len(anomalies) > listed else [""]
-    lines += [f"- {a.message}" for a in anomalies[:listed]]
-    if len(anomalies) > listed:
-        lines += ["", f"{len(anomalies) - listed} more are counted above and not listed (all are in the "
-                      f"run's anomaly.json)."]
-    return "\n".join(lines) + "\n"
+    """The run events in full, then the anomalies counted by rule and tag and the first `listed` in full."""
+    return body(items, listed)
 
 
 class EmailRecipient:
@@ -149,13 +150,8 @@ class EmailRecipient:
         self.listed = inform.options.email_listed
 
     def message(self, items: Sequence[KeyedAnomaly]) -> EmailMessage:
-        anomalies = [item.anomaly for item in items]
-        steps = sorted({a.step for a in anomalies})
-        ranks = sorted({a.rank for a in anomalies})
-        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         message = EmailMessage()
-        message["Subject"] = (f"mindmon: {len(anomalies)} anomal{'y' if len(anomalies) == 1 else 'ies'} "
-                              f"on rank {','.join(map(str, ranks))}, {span}")
+        message["Subject"] = title(items)
         message["From"] = self.inform.send_email_address
         message["To"] = ", ".join(self.inform.receive_email_address)
         digest = hashlib.sha256("".join(item.key for item in items).encode()).hexdigest()[:32]
@@ -184,6 +180,10 @@ class EmailRecipient:
 
 
 def build_recipient(inform, path: str = "alert.inform"):
+    if isinstance(inform, WebhookInform):
+        from mindmon.features.alerts.webhook import WebhookRecipient
+
+        return WebhookRecipient(inform, path)
     return (DatabaseRecipient if isinstance(inform, DatabaseInform) else EmailRecipient)(inform, path)
 
 

@@ -3,8 +3,8 @@
 delivered leaves the spool, what fails stays there. A database insert skips anomalies already
 there (their key), so resending twice, or a spool whose first part had arrived, adds nothing twice.
 
-The spool names its recipient with the password masked: a recipient with a password is taken from
-`--config` (the run's YAML with `monitor.alert`, or msprobe's config.json with `alert`).
+The spool names its recipient with the password masked (a webhook with its URL's path and query
+masked, since chat services put the bot's token there): such a recipient is taken from `--config` (the run's YAML with `monitor.alert`, or msprobe's config.json with `alert`).
 """
 import glob
 import json
@@ -50,6 +50,7 @@ def _inform_for(path: str, recipient: dict, informs: tuple):
             return inform
     if MASK in json.dumps(recipient):
         return None
+    recipient = {key: value for key, value in recipient.items() if key != "url_id"}   # a webhook's, not a key
     return parse_inform("spool", recipient)[0]
 
 
@@ -61,7 +62,8 @@ def resend_one(path: str, informs: tuple) -> Optional[str]:
     recipient_dict, items = read_spool(path)
     inform = _inform_for(path, recipient_dict, informs)
     if inform is None:
-        return f"{path}: its recipient has a password; give the run's configuration with --config"
+        return (f"{path}: its recipient has a password, a signing secret or a token in its URL; give the run's "
+                f"configuration with --config")
     try:
         recipient = build_recipient(inform, "inform")
     except ConfigError as error:   # the driver the URL names is not installed

@@ -8,11 +8,16 @@ Example:
     sink.write(records)    # records of one step, any kind
     sink.flush()           # the dump: this step's anomalies appended, the file whole at every instant
     sink.close()           # waits for delivery (at most close_timeout) and logs what was delivered
+
+Run events (started, finished, crashed, rank_lost, hang, slow_rank) reach the recipients whose
+`events` name them through `report_event` and its named helpers (`run_started`, `run_finished`,
+`run_crashed`, `rank_lost`, `hang`, `slow_rank`); see mindmon.features.alerts.lifecycle.
 """
 import logging
 import os
+import threading
 from collections import deque
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindmon.chunks import has_chunk, split_chunk
 from mindmon.engine import RunInfo, Sink
@@ -23,7 +28,8 @@ from mindmon.features.alerts.config import AlertConfig
 from mindmon.features.alerts.buffer import SPOOL_DIR
 from mindmon.features.alerts.delivery import Deliverer, DeliveryReport
 from mindmon.features.alerts.dump import AnomalyDump, rank_folder, run_id_of
-from mindmon.features.alerts.inform import recipient_id
+from mindmon.features.alerts.inform import EVENT_KINDS, recipient_id
+from mindmon.features.alerts import lifecycle
 from mindmon.features.alerts.recipients import build_recipient
 from mindmon.features.alerts.rules import (NOT_JUDGED, Verdict, first_verdict, msprobe_tag_and_statistic, scalar_value,
                                            tag_and_statistic)
@@ -62,14 +68,19 @@ class AlertSink(Sink):
         self.deliverers: List[Deliverer] = []
         self.run_id: Optional[str] = None
         self.count = 0                       # anomalies found so far
+        self.events = 0                      # run events reported so far
         self.recent: deque = deque(maxlen=100)
         self.reports: List[DeliveryReport] = []
         self._calls = 0
         self._dump_failed = False
         self._series = {}                    # (kind, name) -> (tag, statistic, the rules that read it, series key)
+        self._step = 0                       # the last step a record was written for (events default to it)
+        self._lock = threading.Lock()        # events come from other threads (the watchdog's)
+        self._closed = False
 
     def open(self, run: RunInfo) -> None:
         self.rank = run.rank
+        self._step = run.start_step
         if self.dump is not None:
             self.dump.set_rank(run.rank)
             if run.resumed:
@@ -97,6 +108,8 @@ class AlertSink(Sink):
             verdict = first_verdict(rules, series, x) if rules else None
             if verdict is not None:
                 found.append(self._anomaly(record, tag, statistic, x, verdict))
+        if records:
+            self._step = max(self._step, records[-1].step)
         if found:
             self._handle(found)
 
@@ -124,33 +137,97 @@ class AlertSink(Sink):
         return Anomaly(record.rank, step, record.micro_step, self._calls, record.kind, record.name, tag,
                        statistic, x, verdict.rule_name, message, pp_stage, vpp_stage, group_mates=mates)
 
-    def report_event(self, kind: str, rank: int, step: int, value: float, message: str,
-                     statistic: str = "seconds") -> Anomaly:
-        """An event judged outside the rules (the peer watchdog's hang: kind "hang", the seconds without
-        progress), dumped and delivered to the recipients as one anomaly whose tag, name and rule are
-        `kind`. Not logged: whoever judged it logged it. Safe from another thread (the delivery buffer
-        locks; the dump is written at the next flush)."""
-        anomaly = Anomaly(rank, step - 1 + self.config.first_step, None, self._calls, kind, kind, kind, statistic,
-                          float(value), kind, message, *self.stages,
-                          group_mates=self.group_mates if self.group_mates is not None else [rank])
-        self._handle([anomaly], log=False)
-        return anomaly
+    def report_event(self, kind: str, rank: Optional[int] = None, step: Optional[int] = None,
+                     value: Optional[float] = None, message: Optional[str] = None, statistic: Optional[str] = None,
+                     details: Optional[Dict[str, Any]] = None) -> Anomaly:
+        """A run event judged outside the rules, handed to every recipient whose `events` names `kind`
+        (one of `started, finished, crashed, rank_lost, hang, slow_rank`) and, for the kinds that say
+        something went wrong, dumped. Its tag, name and rule are `kind`; `step` counts as the records do
+        (1 = the first step; default: the last step written, 0 before the first); `value` and
+        `statistic` default by kind (lifecycle.STATISTICS); `message` defaults to a line made from
+        `details` (JSON values), which also reach each recipient in full. Not logged: whoever judged it
+        logged it. Safe from another thread; after `close` it reaches no recipient (logged once)."""
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"event kind {kind!r}; allowed: {list(EVENT_KINDS)}")
+        rank = self.rank if rank is None else int(rank)
+        step = self._step if step is None else int(step)
+        shown = step - 1 + self.config.first_step if step >= 1 else 0   # records count from 1; msprobe's dump from 0
+        details = {"at": lifecycle.now_text(), **(details or {})}
+        if message is None:
+            message = lifecycle.event_message(kind, rank, shown, details)
+        event = Anomaly(rank, shown, None, self._calls, kind, kind, kind, statistic or lifecycle.STATISTICS[kind],
+                        float(step if value is None else value), kind, message, *self.stages,
+                        group_mates=self.group_mates if self.group_mates is not None else [rank], details=details)
+        if self._closed:
+            self.logger.warning("mindmon alerts: the %s event came after the alerts closed and reaches no recipient: "
+                                "%s", kind, message)
+            return event
+        self._handle([event], log=False)
+        return event
+
+    def run_started(self, monitored: Sequence[str] = (), layout: Optional[str] = None,
+                    hosts: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+                    max_steps: Optional[int] = None) -> Anomaly:
+        """Once at the start (rank 0, or every rank: one row each): what is monitored (feature names),
+        the parallel layout (e.g. "dp 2 x tp 2"), the hosts (this one when not given), the versions."""
+        details = lifecycle.started_details(monitored, layout, hosts, world_size, max_steps, self.output_dir)
+        return self.report_event("started", value=details.get("world_size", 1), details=details)
+
+    def run_finished(self, steps: Optional[int] = None, reason: str = "completed") -> Anomaly:
+        """At the normal end, before `close` (which delivers it): the steps run and why it ended
+        ("completed", "stopped on an anomaly", "max_steps reached", ...)."""
+        step = self._step if steps is None else steps
+        return self.report_event("finished", step=step, value=step, details={"steps": step, "reason": reason})
+
+    def run_crashed(self, error: BaseException, step: Optional[int] = None) -> Anomaly:
+        """From the front door's `except` around training, before `close`: the exception's last line."""
+        return self.report_event("crashed", step=step, details={"exception": lifecycle.exception_line(error),
+                                                                "type": type(error).__name__})
+
+    def rank_lost(self, lost_ranks: Sequence[int], message: str, step: Optional[int] = None) -> Anomaly:
+        """The peer watchdog's finding on rank 0: the ranks that stopped answering and its line."""
+        lost = sorted(int(r) for r in lost_ranks)
+        return self.report_event("rank_lost", rank=lost[0] if lost else None, step=step, value=len(lost),
+                                 message=message, details={"lost_ranks": lost, "finding": message})
+
+    def hang(self, hang: Any) -> Anomaly:
+        """The peer watchdog's `Hang` (its `on_hang`): the first odd rank, the majority's step, the
+        seconds without progress, its line; the whole finding in details."""
+        return self.report_event("hang", rank=hang.odd[0] if hang.odd else 0, step=hang.step, value=hang.stalled,
+                                 message=hang.line, details=lifecycle.hang_details(hang))
+
+    def slow_rank(self, rank: int, step: int, seconds: float, median_seconds: float, message: Optional[str] = None,
+                  phase: Optional[str] = None) -> Anomaly:
+        """A rank whose step (or `phase` of it) took `seconds` against the ranks' median."""
+        details = {"seconds": round(float(seconds), 6), "median_seconds": round(float(median_seconds), 6)}
+        if phase is not None:
+            details["phase"] = phase
+        return self.report_event("slow_rank", rank=rank, step=step, value=seconds, message=message, details=details)
 
     def _handle(self, found: List[Anomaly], log: bool = True) -> None:
-        self.count += len(found)
+        with self._lock:
+            self._take(found, log)
+
+    def _take(self, found: List[Anomaly], log: bool) -> None:
+        events = [a for a in found if a.is_event]
+        self.count += len(found) - len(events)
+        self.events += len(events)
         self.recent.extend(found)
         for anomaly in found[:LOGGED_PER_WRITE] if log else ():
             self.logger.warning("mindmon alert: %s", anomaly.message)
         if log and len(found) > LOGGED_PER_WRITE:
             self.logger.warning("mindmon alert: %d more anomalies at step %d (see the dump)",
                                 len(found) - LOGGED_PER_WRITE, found[-1].step)
-        if self.dump is not None:
-            self.dump.add(found)
+        dumped = [a for a in found if not a.is_event or a.kind in lifecycle.DUMPED] if events else found
+        if self.dump is not None and dumped:
+            self.dump.add(dumped)
         self._start_delivery()
         for deliverer in self.deliverers:
-            deliverer.submit(found)
-        if self.actions is not None:
-            self.actions.note(found)
+            wanted = [a for a in found if deliverer.wants(a)] if events else found
+            if wanted:
+                deliverer.submit(wanted)
+        if self.actions is not None and len(events) < len(found):
+            self.actions.note([a for a in found if not a.is_event])
 
     def flush(self) -> None:
         """Writes the dump; a failure (disk full) is logged once and retried at the next flush,
@@ -158,7 +235,8 @@ class AlertSink(Sink):
         if self.dump is None:
             return
         try:
-            self.dump.write()
+            with self._lock:
+                self.dump.write()
         except OSError as error:
             if not self._dump_failed:
                 self.logger.error("mindmon alerts: writing %s failed (%s); retrying at every step end, "
@@ -172,6 +250,8 @@ class AlertSink(Sink):
             if self.dump is not None and not self.dump.pending:
                 self.dump.finish()
         finally:
+            with self._lock:
+                self._closed = True
             self._start_delivery()
             for deliverer in self.deliverers:   # every recipient's close_timeout runs at the same time
                 deliverer.start_closing()
