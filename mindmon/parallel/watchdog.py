@@ -261,7 +261,8 @@ class _Server:
         self.watchdog = watchdog
         self.seen: Dict[int, List] = {}   # rank -> [its last step, "up" | "closed" | "silent" | "done"]
         self.first_loss: Optional[float] = None
-        self.places: Dict[int, Tuple[Place, float]] = {}   # rank -> (its place, when rank 0 saw it change)
+        self.places: Dict[int, Tuple[Place, float]] = {}   # rank -> (its place, when it entered it)
+        self.moved = 0.0   # when a rank last moved (entered a place, or finished), on rank 0's monotonic clock
         self.step_times = _StepTimes()
         self.hang: Optional[Tuple[int, str]] = None   # the hang in force: its number and line
         self.hangs = 0
@@ -330,14 +331,15 @@ class _Server:
             self.seen[peer.rank] = [0, "up"]
         elif peer.rank is None:
             return
-        elif len(words) in (2, 5) and words[0] == "beat" and words[1].isdigit():
+        elif len(words) in (2, 6) and words[0] == "beat" and words[1].isdigit():
             self.seen[peer.rank][0] = int(words[1])
-            place = _parse_place(words[2:])
+            place, age = _parse_place(words[2:])
             if place is not None:
-                self._place(peer.rank, place, time.monotonic())
+                self._place(peer.rank, place, time.monotonic() - age)
             _send(connection, self._answer())
         elif words == ["bye"]:
             self.seen[peer.rank][1] = "done"
+            self.moved = max(self.moved, time.monotonic())   # finishing is moving: the others may wait for it
 
     def lost(self) -> List[int]:
         return sorted(r for r, (_, state) in self.seen.items() if state in ("closed", "silent"))
@@ -362,11 +364,14 @@ class _Server:
         if now - self.first_loss >= SETTLE:
             self.watchdog.announce(self.line(lost))
 
-    def _place(self, rank: int, place: Place, now: float) -> None:
+    def _place(self, rank: int, place: Place, changed: float) -> None:
+        """`changed`: when the rank entered the place, on rank 0's monotonic clock (from the place's age on
+        the rank's own clock: machines' clocks may disagree, their seconds do not)."""
         before = self.places.get(rank)
         if before is not None and before[0] == place:
             return
-        self.places[rank] = (place, now)
+        self.places[rank] = (place, changed)
+        self.moved = max(self.moved, changed)
         if before is not None and self.hang is not None:
             self.watchdog.logger.warning("mindmon: hang %d is over: rank %d moved on to %s of step %d", self.hang[0],
                                          rank, place.phase, place.step)
@@ -374,13 +379,14 @@ class _Server:
 
     def _judge_hang(self, now: float) -> None:
         own = PROGRESS.place
-        self._place(HOST_RANK, own, now)
-        self.step_times.note(own.step, now)
+        entered = now - max(0.0, time.time() - own.since)
+        self._place(HOST_RANK, own, entered)
+        self.step_times.note(own.step, entered)
         watched = self._watched()
         if self.hang is not None or watched is None:
             return
         limit = self._hang_after(watched)
-        stalled = now - max(changed for _, changed in watched.values())
+        stalled = now - self.moved
         if limit is None or stalled < limit:
             return
         places = {rank: place for rank, (place, _) in watched.items()}
@@ -484,7 +490,9 @@ class _Client:
         """One heartbeat and rank 0's answer; False when the watching is over."""
         try:
             place = PROGRESS.place
-            connection.sendall(f"beat {self.watchdog.step} {place.step} {place.phase} {place.since!r}\n".encode())
+            age = max(0.0, time.time() - place.since)
+            connection.sendall(f"beat {self.watchdog.step} {place.step} {place.phase} {place.since!r} {age:.3f}\n"
+                               .encode())
             answer = reader.readline().decode("ascii", "replace").rstrip("\n")
         except OSError as error:
             if _silent(error):
@@ -517,18 +525,19 @@ class _Client:
 
 class _StepTimes:
     """Rank 0's step times, from its own place as the watchdog's thread samples it (a few per second):
-    steps shorter than a sample are averaged over the steps between two samples."""
+    from the start of the phase first seen in a step to that of the next one seen; steps shorter than a
+    sample are averaged over the steps between two samples."""
 
     def __init__(self):
         self.seconds: deque = deque(maxlen=HANG_WINDOW)
         self.step, self.since = 0, 0.0
 
-    def note(self, step: int, now: float) -> None:
+    def note(self, step: int, entered: float) -> None:
         if step == self.step:
             return
         if self.step >= 1 and step > self.step:   # from step 0 to the first: the start, not a step
-            self.seconds.append((now - self.since) / (step - self.step))
-        self.step, self.since = step, now
+            self.seconds.append((entered - self.since) / (step - self.step))
+        self.step, self.since = step, entered
 
     def hang_after(self) -> Optional[float]:
         if len(self.seconds) < HANG_MEASURED:
@@ -536,14 +545,14 @@ class _StepTimes:
         return max(HANG_FLOOR, HANG_STEPS * statistics.median(self.seconds))
 
 
-def _parse_place(words: List[str]) -> Optional[Place]:
-    """A heartbeat's `<step> <phase> <since>`; None when absent or malformed."""
-    if len(words) != 3 or not words[0].isdigit():
-        return None
+def _parse_place(words: List[str]) -> Tuple[Optional[Place], float]:
+    """A heartbeat's `<step> <phase> <since> <seconds since then>`; (None, 0) when absent or malformed."""
+    if len(words) != 4 or not words[0].isdigit():
+        return None, 0.0
     try:
-        return Place(int(words[0]), words[1], float(words[2]))
+        return Place(int(words[0]), words[1], float(words[2])), max(0.0, float(words[3]))
     except ValueError:
-        return None
+        return None, 0.0
 
 
 def _silent(error: OSError) -> bool:
