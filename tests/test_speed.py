@@ -86,8 +86,8 @@ def test_step_time_phases_and_throughput_against_the_tests_clock(tmp_path, rng):
         # the train step's call holds forward/backward, the update and mindmon's event handling in it
         inside = time_of["forward_backward"] + time_of["reduce"] + time_of["update"]
         assert inside <= clock["train"][step] + 1e-4
-        assert inside >= clock["train"][step] - time_of["mindmon"] - 3e-3
-        micro = [got[("step_time", "forward_backward", k)] for k in range(K)]
+        assert inside >= clock["train"][step] - time_of["mindmon"] - TOLERANCE
+        micro = [got[("step_time", "micro_batch", k)] for k in range(K)]
         assert sum(micro) == pytest.approx(time_of["forward_backward"], abs=1e-9)
         slowed = step == SLOW_STEP
         assert (micro[SLOW_MICRO] >= SLOW) == slowed
@@ -127,3 +127,32 @@ def test_bad_values_are_refused_in_one_line(section, message):
     with pytest.raises(ConfigError) as error:
         parse_sections({"monitor": {"speed": section}})
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_log_line_carries_the_records_and_parse_log_reads_it_back(tmp_path, rng, caplog):
+    import logging
+
+    from mindmon.analysis.parse_log import parse_log
+
+    with caplog.at_level(logging.INFO, logger="mindmon"):
+        by_step, _ = _run(tmp_path / "run", rng)
+    lines = [line for r in caplog.records for line in r.getMessage().split("\n") if "step_time:" in line]
+    assert len(lines) == STEPS
+    line = lines[2]
+    assert line.startswith("step:[    3/   10] step_time: ")
+    got = by_step[3]
+    assert f"step_time: {got[('step_time', 'step', None)] * 1e3:.1f}ms (data " in line
+    assert "eta: 0:00:" in line and "samples/s: " in line and "peak_rss: " in line
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(lines) + "\n")
+    parse_log(str(log), str(tmp_path / "parsed"), progress=None)
+    parsed = {(r["step"], r["kind"], r["name"]): r["value"] for r in read_jsonl(tmp_path / "parsed" / "rank_0" / "metrics.jsonl")}
+    for step in range(1, STEPS + 1):
+        for name in ("step", "data", "forward_backward", "reduce", "update", "mindmon", "other"):
+            assert parsed[(step, "step_time", name)] == pytest.approx(by_step[step][("step_time", name, None)], abs=5e-5)
+        assert parsed[(step, "throughput", "samples_per_second")] == pytest.approx(
+            by_step[step][("throughput", "samples_per_second", None)], rel=1e-5)
+        assert parsed[(step, "memory", "peak_rss")] == pytest.approx(by_step[step][("memory", "peak_rss", None)],
+                                                                     abs=0.06 * 2 ** 20)
+    for step in range(2, STEPS + 1):
+        assert parsed[(step, "eta", "seconds")] == pytest.approx(by_step[step][("eta", "seconds", None)], abs=0.5)

@@ -20,7 +20,7 @@ from typing import List, Optional
 from mindmon.engine import RunInfo
 from mindmon.formats import log_lines, megatron_tpe, training_state_log
 from mindmon.formats.layout import rank_in_path
-from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+from mindmon.records import (SLOW_RANK, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                        LOSS_COMPONENT_STEP, MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
 from mindmon.sinks.jsonl import JsonlSink
 
@@ -65,6 +65,7 @@ class LogParser:
                           (log_lines.DEVICE_LOSS_LINE, self._device_loss),
                           (log_lines.LOSS_SCALE_LINE, self._loss_scale),
                           (log_lines.LOSS_COMPONENTS_LINE, self._loss_components),
+                          (log_lines.SPEED_LINE, self._speed), (log_lines.SLOW_RANK_LINE, self._slow_rank),
                           (log_lines.TOKENS_PER_EXPERT_LINE, self._tokens_per_expert), (BATCH_LINE, self._batch))
 
     def feed(self, line: str) -> List[Record]:
@@ -152,6 +153,14 @@ class LogParser:
         self._enter_step(int(match["step"]))
         parts = json.loads(match["parts"])
         return [self._record(LOSS_COMPONENT_STEP, name, float(value)) for name, value in parts.items()]
+
+    def _speed(self, match) -> List[Record]:
+        self._enter_step(int(match["step"]))
+        return [self._record(kind, name, value) for kind, name, value in log_lines.read_speed_line(match)]
+
+    def _slow_rank(self, match) -> List[Record]:
+        self._enter_step(int(match["step"]))
+        return [self._record(SLOW_RANK, match["name"], float(match["ratio"]))]
 
     def _local_loss(self, match) -> List[Record]:
         micro_step = int(match["micro_step"])

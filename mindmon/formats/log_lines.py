@@ -23,6 +23,7 @@ then for the step:
 `inf`, `-inf` (`NaN`, `Infinity` in the JSON of the loss components) and read back as such. MindFormers' own LossCallback line, which mindmon reads and
 never writes: `{ step:[    1/    3], loss:   4.844477, ..., lr: 1.5e-03, grad_norm:   1.19, ... }`.
 """
+import datetime
 import json
 import re
 from itertools import compress, groupby, repeat
@@ -32,7 +33,8 @@ from typing import Dict, List, Optional
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
                        LOSS_SCALE_KINDS,
                        MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SKIPPED_STEPS,
-                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, Record)
+                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, ETA, MEMORY, SLOW_RANK, SPEED_KINDS, STEP_TIME, THROUGHPUT,
+                       Record)
 from mindmon.formats.megatron_tpe import layer_fields
 
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|NaN|inf|Infinity)"
@@ -53,6 +55,10 @@ LOSS_SCALE_LINE = re.compile(r'\{ "step": (?P<step>\d+), (?:"loss_scale": (?P<sc
                              r'"overflow": (?P<overflow>true|false), "update_skipped": (?P<skipped>true|false), '
                              r'"skipped_steps": (?P<count>\d+) \}')
 LOSS_COMPONENTS_LINE = re.compile(r'\{ "step": (?P<step>\d+), "loss_components": (?P<parts>\{.*\}) \}\s*$')
+SPEED_LINE = re.compile(r"step:\[\s*(?P<step>\d+)/\s*(?:\d+|\?)\] step_time: (?P<step_ms>" + NUMBER
+                        + r")ms \((?P<phases>[^)]*)\)(?P<rest>.*)$")
+SLOW_RANK_LINE = re.compile(r"step:\[\s*(?P<step>\d+)/\s*(?:\d+|\?)\] slow rank: (?P<name>rank \d+) computed "
+                            r"(?P<ratio>" + NUMBER + r")x the median")
 # The loss-scale line's fields: record kind -> (field, the record's name).
 LOSS_SCALE_FIELDS = {LOSS_SCALE: ("loss_scale", "scale"), OVERFLOW: ("overflow", "grads"),
                      UPDATE_SKIPPED: ("update_skipped", "update"), SKIPPED_STEPS: ("skipped_steps", "total")}
@@ -144,6 +150,58 @@ def read_loss_scale_line(match) -> List[tuple]:
     return [(kind, LOSS_SCALE_FIELDS[kind][1], value) for kind, value in values.items() if value is not None]
 
 
+SPEED_PHASES = ("data", "forward_backward", "reduce", "update", "mindmon", "other")
+
+
+def speed_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
+    """The step's time line (monitor.speed), in the manner of MindFormers' LossCallback line, and on rank 0
+    one line per slow rank:
+
+        step:[    3/   10] step_time: 812.4ms (data 1.2ms, forward_backward 700.1ms, reduce 90.3ms,
+            update 15.0ms, mindmon 4.1ms, other 1.7ms), samples/s: 9.848, tokens/s: 1260.6, peak_rss: 1532.1MiB,
+            eta: 0:00:05   (one line)
+        step:[    3/   10] slow rank: rank 2 computed 3.14x the median before the gradient collective
+    """
+    times = {r.name: r.value for r in records if r.kind == STEP_TIME and r.micro_step is None}
+    if "step" not in times:
+        return []
+    step = next(r.step for r in records if r.kind == STEP_TIME)
+    prefix = step_prefix(step, max_steps)
+    phases = ", ".join(f"{name} {times[name] * 1e3:.1f}ms" for name in SPEED_PHASES if name in times)
+    fields = [f"step_time: {times['step'] * 1e3:.1f}ms ({phases})"]
+    values = {(r.kind, r.name): r.value for r in records if r.kind in (THROUGHPUT, MEMORY, ETA)}
+    for key, label in (((THROUGHPUT, "samples_per_second"), "samples/s"), ((THROUGHPUT, "tokens_per_second"), "tokens/s")):
+        if key in values:
+            fields.append(f"{label}: {values[key]:.6g}")
+    if (MEMORY, "peak_rss") in values:
+        fields.append(f"peak_rss: {values[(MEMORY, 'peak_rss')] / 2 ** 20:.1f}MiB")
+    if (ETA, "seconds") in values:
+        fields.append(f"eta: {datetime.timedelta(seconds=round(values[(ETA, 'seconds')]))}")
+    lines = [prefix + ", ".join(fields)]
+    return lines + [f"{prefix}slow rank: {r.name} computed {r.value:.2f}x the median before the gradient collective"
+                    for r in records if r.kind == SLOW_RANK]
+
+
+def read_speed_line(match) -> List[tuple]:
+    """(kind, name, value) of a `speed_lines` time line, as rounded in the line (ms to 0.1, MiB to 0.1,
+    rates to 6 digits, the ETA to the second)."""
+    values = [(STEP_TIME, "step", float(match["step_ms"]) / 1e3)]
+    for part in match["phases"].split(", "):
+        name, ms = part.split(" ")
+        values.append((STEP_TIME, name, float(ms[:-2]) / 1e3))
+    for field in match["rest"].split(", ")[1:]:
+        label, text = field.split(": ")
+        if label in ("samples/s", "tokens/s"):
+            values.append((THROUGHPUT, f"{label[:-2]}_per_second", float(text)))
+        elif label == "peak_rss":
+            values.append((MEMORY, "peak_rss", float(text[:-3]) * 2 ** 20))
+        elif label == "eta":
+            hours, minutes, seconds = text.split(" ")[-1].split(":")
+            days = int(text.split(" ")[0]) if "day" in text else 0
+            values.append((ETA, "seconds", float(((days * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds))))
+    return values
+
+
 def _max_logit_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     lines = []
     for record in records:
@@ -174,7 +232,8 @@ def format_lines(records: List[Record], max_steps: Optional[int] = None) -> List
     lines.extend(f'{{ "step": {r.step}, "device_loss": {loss_text(r.value)} }}' for r in by_kind.get(DEVICE_LOSS, []))
     return lines + loss_scale_line(_of_kinds(records, kinds, LOSS_SCALE_KINDS)) + \
         loss_components_line(by_kind.get(LOSS_COMPONENT_STEP, [])) + \
-        _max_logit_lines(_of_kinds(records, kinds, _MAX_LOGIT_KINDS), max_steps)
+        _max_logit_lines(_of_kinds(records, kinds, _MAX_LOGIT_KINDS), max_steps) + \
+        speed_lines(_of_kinds(records, kinds, SPEED_KINDS), max_steps)
 
 
 def parse_heads(text: str) -> List[float]:

@@ -140,7 +140,7 @@ class SpeedMonitor(Monitor):
 
     def _micro_records(self, step: int) -> List[Record]:
         marks = [self._events[StepBegin]] + self._micro
-        return [Record(step, b.micro_step, self.rank, STEP_TIME, "forward_backward", _between(a, b))
+        return [Record(step, b.micro_step, self.rank, STEP_TIME, "micro_batch", _between(a, b))
                 for a, b in zip(marks, marks[1:])]
 
     def _rates(self, seconds: float) -> dict:
