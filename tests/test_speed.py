@@ -156,3 +156,55 @@ def test_the_log_line_carries_the_records_and_parse_log_reads_it_back(tmp_path, 
                                                                      abs=0.06 * 2 ** 20)
     for step in range(2, STEPS + 1):
         assert parsed[(step, "eta", "seconds")] == pytest.approx(by_step[step][("eta", "seconds", None)], abs=0.5)
+
+
+class _TwoDense(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Dense(3, 4), nn.Dense(4, 1)
+
+    def construct(self, x, y):
+        diff = self.second(self.first(x)) - y
+        return (diff * diff).mean()
+
+
+def _flop_run(tmp_path, rng, speed):
+    net = _TwoDense()
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.01)
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "speed": speed}}), model=net,
+                        parameter_names=[p.name for p in optimizer.parameters])
+    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=K, group=group, max_norm=0.0)
+    group.setup()
+    batch = _batches(rng)
+    for step in (1, 2, 3):
+        train_step(split_batch(batch, K))
+        group.flush(step)
+    group.close()
+    records = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    return {(r["step"], r["kind"], r["name"]): r["value"] for r in records}
+
+
+def test_flops_and_mfu_of_a_step_equal_the_hand_count(tmp_path, rng):
+    got = _flop_run(tmp_path, rng, {"enabled": True, "flops": True, "peak_tflops": 2e-6})
+    rows = SAMPLES // K
+    # per micro-batch: x (rows, 3) @ (3, 4) and h (rows, 4) @ (4, 1), 2mnk each; forward + two gradients = 3x
+    per_step = K * 3 * (2 * rows * 3 * 4 + 2 * rows * 4 * 1)
+    for step in (1, 2, 3):
+        assert got[(step, "flops", "executed")] == per_step
+        assert got[(step, "flops", "useful")] == per_step     # nothing recomputed, no experts, no attention
+        seconds = got[(step, "step_time", "step")]
+        assert got[(step, "mfu", "mfu")] == pytest.approx(per_step / seconds / 2e6, rel=1e-12)
+        assert got[(step, "mfu", "hfu")] == pytest.approx(per_step / seconds / 2e6, rel=1e-12)
+        assert got[(step, "mfu", "peak_tflops")] == pytest.approx(2e-6)
+
+
+def test_an_unknown_device_gives_no_mfu_and_says_so_once(tmp_path, rng, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="mindmon"):
+        got = _flop_run(tmp_path, rng, {"enabled": True, "flops": True})
+    assert not any(kind == "mfu" for _, kind, _ in got)
+    assert got[(2, "flops", "executed")] > 0
+    said = [r.getMessage() for r in caplog.records if "no MFU" in r.getMessage()]
+    assert said == ["mindmon: no peak for device 'CPU' in mindmon's table (docs/flops.md); no MFU is reported. "
+                    "Allowed: set monitor.speed.peak_tflops to the device's dense TFLOP/s for float32"]

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
                        LOSS_SCALE_KINDS,
                        MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SKIPPED_STEPS,
-                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, ETA, MEMORY, SLOW_RANK, SPEED_KINDS, STEP_TIME, THROUGHPUT,
+                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, ETA, MEMORY, MFU, SLOW_RANK, SPEED_KINDS, STEP_TIME, THROUGHPUT,
                        Record)
 from mindmon.formats.megatron_tpe import layer_fields
 
@@ -158,8 +158,9 @@ def speed_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     one line per slow rank:
 
         step:[    3/   10] step_time: 812.4ms (data 1.2ms, forward_backward 700.1ms, reduce 90.3ms,
-            update 15.0ms, mindmon 4.1ms, other 1.7ms), samples/s: 9.848, tokens/s: 1260.6, peak_rss: 1532.1MiB,
-            eta: 0:00:05   (one line)
+            update 15.0ms, mindmon 4.1ms, other 1.7ms), samples/s: 9.848, tokens/s: 1260.6, mfu: 41.20%,
+            hfu: 52.73%, peak_rss: 1532.1MiB, eta: 0:00:05   (one line; mfu/hfu with monitor.speed.flops
+            and a known peak)
         step:[    3/   10] slow rank: rank 2 computed 3.14x the median before the gradient collective
     """
     times = {r.name: r.value for r in records if r.kind == STEP_TIME and r.micro_step is None}
@@ -169,10 +170,13 @@ def speed_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     prefix = step_prefix(step, max_steps)
     phases = ", ".join(f"{name} {times[name] * 1e3:.1f}ms" for name in SPEED_PHASES if name in times)
     fields = [f"step_time: {times['step'] * 1e3:.1f}ms ({phases})"]
-    values = {(r.kind, r.name): r.value for r in records if r.kind in (THROUGHPUT, MEMORY, ETA)}
+    values = {(r.kind, r.name): r.value for r in records if r.kind in (THROUGHPUT, MEMORY, ETA, MFU)}
     for key, label in (((THROUGHPUT, "samples_per_second"), "samples/s"), ((THROUGHPUT, "tokens_per_second"), "tokens/s")):
         if key in values:
             fields.append(f"{label}: {values[key]:.6g}")
+    for name in ("mfu", "hfu"):
+        if (MFU, name) in values:
+            fields.append(f"{name}: {values[(MFU, name)] * 100:.2f}%")
     if (MEMORY, "peak_rss") in values:
         fields.append(f"peak_rss: {values[(MEMORY, 'peak_rss')] / 2 ** 20:.1f}MiB")
     if (ETA, "seconds") in values:
@@ -193,6 +197,8 @@ def read_speed_line(match) -> List[tuple]:
         label, text = field.split(": ")
         if label in ("samples/s", "tokens/s"):
             values.append((THROUGHPUT, f"{label[:-2]}_per_second", float(text)))
+        elif label in ("mfu", "hfu"):
+            values.append((MFU, label, float(text[:-1]) / 100))
         elif label == "peak_rss":
             values.append((MEMORY, "peak_rss", float(text[:-3]) * 2 ** 20))
         elif label == "eta":

@@ -22,7 +22,7 @@ whose computing time exceeds `slow_rank_factor` times the median: all-reduce mak
 equal, so the slow rank is the one that computed longest (and waited least inside the collective).
 """
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from mindmon.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBe
                             UpdateDone)
 from mindmon.features.across_ranks.summaries import Column, summary_records
 from mindmon.features.speed.memory import MemoryPeaks
-from mindmon.records import ETA, MEMORY, SLOW_RANK, STEP_TIME, THROUGHPUT, WALL_CLOCK, Record
+from mindmon.records import ETA, FLOPS, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT, WALL_CLOCK, Record
 
 PHASES = ("data", "forward_backward", "reduce", "update", "mindmon", "other")
 RATES = ("samples_per_second", "tokens_per_second", "job_samples_per_second", "job_tokens_per_second")
@@ -57,8 +57,13 @@ class SpeedMonitor(Monitor):
     EVENTS = (StepBegin, MicroBatchEnd, ReduceBegin, GradientsReduced, UpdateDone, StepEnd, StepWritten)
 
     def __init__(self, rank: int = 0, data_parallel=None, global_batch_size: Optional[int] = None,
-                 slow_rank_factor: float = 1.2, memory: Optional[MemoryPeaks] = None):
+                 slow_rank_factor: float = 1.2, memory: Optional[MemoryPeaks] = None, flops=None,
+                 peak_flops_per_second: Optional[float] = None, routed: Optional[Callable[[], Optional[dict]]] = None):
+        """`flops`: a mindmon.features.speed.flops.FlopCounter attached to the model, or None; `routed`: this
+        step's tokens per expert by MoE layer, read at StepEnd (before the MoE monitor lets them go)."""
         self.rank = rank
+        self.flops, self.peak, self.routed = flops, peak_flops_per_second, routed
+        self._routed_now: Optional[dict] = None
         self.data_parallel = data_parallel if data_parallel is not None and data_parallel.active else None
         self.global_batch_size = global_batch_size
         self.slow_rank_factor = slow_rank_factor
@@ -80,6 +85,8 @@ class SpeedMonitor(Monitor):
         elif isinstance(event, StepWritten):
             self._written = event
         else:
+            if isinstance(event, StepEnd) and self.routed is not None:
+                self._routed_now = self.routed()
             self._events[type(event)] = event
 
     # The cross-rank buffer: one row per data-parallel rank, this rank's in its own slot.
@@ -115,6 +122,7 @@ class SpeedMonitor(Monitor):
         records.append(Record(step, None, self.rank, WALL_CLOCK, "step_end", time.time()))
         records += [Record(step, None, self.rank, MEMORY, name, value) for name, value in self.memory.take().items()]
         records += self._eta(step, end)
+        records += self._flop_records(step, phases["step"])
         records += self._across_ranks(step)
         self._previous_row = np.array([np.nan, phases["step"], *(phases[p] for p in PHASES),
                                        *(rates.get(r, np.nan) for r in RATES)], np.float64)
@@ -156,6 +164,19 @@ class SpeedMonitor(Monitor):
             rates["job_tokens_per_second"] = tokens / samples * job_samples / seconds
         return rates
 
+    def _flop_records(self, step: int, seconds: float) -> List[Record]:
+        """The step's useful and executed FLOPs, and MFU / HFU against the peak (none without one)."""
+        if self.flops is None:
+            return []
+        counted, self._routed_now = self.flops.take_step(self._routed_now), None
+        records = [Record(step, None, self.rank, FLOPS, name, float(value))
+                   for name, value in (("useful", counted.useful), ("executed", counted.executed)) if value is not None]
+        if self.peak is None or seconds <= 0:
+            return records
+        records += [Record(step, None, self.rank, MFU, name, value / seconds / self.peak)
+                    for name, value in (("mfu", counted.useful), ("hfu", counted.executed)) if value is not None]
+        return records + [Record(step, None, self.rank, MFU, "peak_tflops", self.peak / 1e12)]
+
     def _eta(self, step: int, end: StepEnd) -> List[Record]:
         """Seconds to the last step at the mean step time since the first step this process wrote."""
         if self._first_end is None:
@@ -185,3 +206,7 @@ class SpeedMonitor(Monitor):
             return []
         return [Record(step, None, self.rank, SLOW_RANK, f"rank {r}", float(c / median))
                 for r, c in enumerate(compute) if c > self.slow_rank_factor * median]
+
+    def close(self) -> None:
+        if self.flops is not None:
+            self.flops.detach()
