@@ -4,6 +4,7 @@ from mindmon.features.tensor_stats.config import TensorStatsConfig, load_config_
 from mindmon.features.tensor_stats.structure import StopTraining
 from mindmon.msprobe.csv2tb import csv2tensorboard_by_step
 from mindmon.msprobe.trainer_mon import TrainerMon
+from mindmon.msprobe.trainer_v2 import TrainerMonitorV2
 
-__all__ = ["StopTraining", "TensorStatsConfig", "TrainerMon", "csv2tensorboard_by_step", "load_config_json",
+__all__ = ["StopTraining", "TensorStatsConfig", "TrainerMon", "TrainerMonitorV2", "csv2tensorboard_by_step", "load_config_json",
            "parse_tensor_stats"]
