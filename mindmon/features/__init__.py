@@ -21,6 +21,7 @@ FEATURES = (
     profiler.FEATURE,
     across_ranks.FEATURE,   # after train_state and moe_monitor: it reads their sections and monitor
     speed.FEATURE,
+    __import__("mindmon.features.trackers", fromlist=["FEATURE"]).FEATURE,   # last: closes after the files it sends
 )
 
 
