@@ -360,6 +360,13 @@ class DemoMoEGPT(nn.Cell):
             parts["load_balancing_loss"] = parts["load_balancing_loss"] + weight * aux_loss
         return self.config.mtp_loss_scale * total / len(self.mtp.layers)
 
+    def init_states(self):
+        """The constructor's values again, from the same seed: MindFormers 2.x's Trainer gives every parameter
+        fresh, uninitialized storage (`to_empty()`) and then asks the model to fill it."""
+        fresh = DemoMoEGPT(self.config)
+        for (name, parameter), (_, value) in zip(self.parameters_and_names(), fresh.parameters_and_names()):
+            parameter.set_data(value.data)
+
     def get_loss_components(self) -> Dict[str, Tensor]:
         """The parts of the last forward's loss, which add up to it: `lm loss` (next-token cross entropy),
         `load_balancing_loss` (every router's balance loss, the MTP layers' weighted as the MTP loss),

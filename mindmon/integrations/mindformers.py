@@ -1,14 +1,15 @@
-"""mindmon on the MindFormers 1.9.0 PyNative Trainer, with no change to the launch script.
+"""mindmon on the MindFormers 1.9.x, 2.0.x and 2.1.x PyNative Trainers, with no change to the launch script.
 
 `enable()` patches the stock `Trainer` class (idempotent):
   * `__init__` reads the documented `monitor:`, `profiler:` and `callbacks:` sections, validates
     them before anything is built (a bad value stops the run here, naming the key), hands the
-    stock config only what 1.9.0 understands, then registers mindmon's callbacks;
-  * `training_step` runs the K = global_batch_size / (dp x local_batch_size) micro-steps that 1.9.0
-    computes but never runs (one forward/backward each, gradients accumulated, one update) and
-    records into the MonitorGroup;
-  * with several processes (msrun), which 1.9.0 refuses, the world size goes to the data-parallel
-    size and each step averages the gradients over the ranks in one all-reduce.
+    stock config only what the stock Trainer understands, then registers mindmon's callbacks; on 2.x
+    the Trainer's `monitor` becomes mindmon's MonitorGroup;
+  * `training_step` runs the K = global_batch_size / (dp x local_batch_size) micro-steps (one
+    forward/backward each, gradients accumulated, one update) and records into the MonitorGroup;
+    each release line's signature is adapted in mindmon.integrations.mindformers_versions;
+  * on 1.9.x, with several processes (msrun), which 1.9.0 refuses, the world size goes to the
+    data-parallel size and each step averages the gradients over the ranks in one all-reduce.
 """
 import contextlib
 import copy
@@ -25,11 +26,9 @@ from mindmon.features import parse_sections
 from mindmon.distributed import DataParallel
 from mindmon.factory import assemble
 from mindmon.features.max_logits import MAX_LOGITS_CALLBACK, MaxLogitsSection
-from mindmon.step import AccumulatingTrainStep, split_batch
-
-SUPPORTED_VERSIONS = ("1.9.",)
-_NEEDED = ("__init__", "training_step", "compute_loss", "_inner_train_loop", "_create_callback_handler",
-           "_compute_data_parallel_size")
+from mindmon.integrations.mindformers_versions import (SUPPORTED_VERSIONS, TrainerVersion, model_chunks,
+                                                      trainer_version)
+from mindmon.integrations.monitor_view import LoopMonitorView
 
 
 class IntegrationError(RuntimeError):
@@ -51,21 +50,25 @@ def enable() -> None:
     if getattr(trainer_cls, "_mindmon_attached", False):
         return
     version = getattr(mindformers, "__version__", "unknown")
-    missing = [name for name in _NEEDED if not hasattr(trainer_cls, name)]
-    if not version.startswith(SUPPORTED_VERSIONS) or missing:
+    line = trainer_version(version)
+    missing = [name for name in (line.needed if line else ()) if not hasattr(trainer_cls, name)]
+    if line is None or missing:
         raise IntegrationError(
             f"MindFormers {version} is not supported (mindmon patches the PyNative Trainer of "
             f"MindFormers {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}"
             + (f"; missing Trainer.{', Trainer.'.join(missing)}" if missing else "")
-            + "). Install mindformers==1.9.0, or set MINDMON_AUTOLOAD=0 to train without mindmon.")
+            + "). Install mindformers==1.9.0 or 2.0.0, or set MINDMON_AUTOLOAD=0 to train without mindmon.")
     _register_callbacks()
-    trainer_cls.__init__ = _wrap_init(trainer_cls.__init__)
-    trainer_cls._compute_data_parallel_size = _wrap_compute_data_parallel_size(trainer_cls._compute_data_parallel_size)
-    trainer_cls.training_step = _training_step
+    trainer_cls.__init__ = _wrap_init(trainer_cls.__init__, line)
+    if line.single_process_view:
+        trainer_cls._compute_data_parallel_size = _wrap_compute_data_parallel_size(
+            trainer_cls._compute_data_parallel_size)
+    trainer_cls.training_step = line.training_step
     trainer_cls._mindmon_attached = True
+    monitor = "; mindmon's MonitorGroup in place of MindFormers' own" if line.own_monitor else ""
     _mindformers_logger().info(
         f"mindmon: attached to the MindFormers {version} PyNative Trainer (monitor/profiler/callbacks "
-        f"sections, K micro-steps per step); set MINDMON_AUTOLOAD=0 to turn it off")
+        f"sections, K micro-steps per step{monitor}); set MINDMON_AUTOLOAD=0 to turn it off")
 
 
 def _register_callbacks() -> None:
@@ -94,7 +97,7 @@ def check_callback_types(config: MindmonConfig) -> None:
                               + (f", e.g. {', '.join(close)}" if close else f" such as {', '.join(known[:5])}"))
 
 
-def _wrap_init(stock_init):
+def _wrap_init(stock_init, line: TrainerVersion):
     signature = inspect.signature(stock_init)
 
     @functools.wraps(stock_init)
@@ -105,9 +108,9 @@ def _wrap_init(stock_init):
         check_callback_types(mindmon_config)
         if raw is not None:
             bound.arguments["config"] = stock_sections(raw)
-        with _single_process_view():
+        with _single_process_view() if line.single_process_view else contextlib.nullcontext():
             stock_init(*bound.args, **bound.kwargs)
-        _attach(self, mindmon_config)
+        _attach(self, mindmon_config, line)
 
     return __init__
 
@@ -181,7 +184,7 @@ def trainer_layout(trainer):
     return getattr(trainer, "mindmon_layout", None)
 
 
-def _attach(trainer, config: MindmonConfig) -> None:
+def _attach(trainer, config: MindmonConfig, line: TrainerVersion) -> None:
     training = trainer.config.training
     data_parallel = trainer.config.parallelism.data_parallel
     if training.global_batch_size % (data_parallel * training.local_batch_size):
@@ -189,21 +192,37 @@ def _attach(trainer, config: MindmonConfig) -> None:
             f"training.global_batch_size: got {training.global_batch_size}, which is not a multiple of "
             f"data_parallel ({data_parallel}) x training.local_batch_size ({training.local_batch_size}); "
             f"allowed: a multiple, so that every step runs whole micro-batches")
-    _check_batch_size(trainer.train_dataset, training.global_batch_size // data_parallel, training.local_batch_size)
+    per_batch = training.global_batch_size // data_parallel if line.prefix != "2.1." else training.local_batch_size
+    _check_batch_size(trainer.train_dataset, per_batch, training.local_batch_size)
+    model = _single_chunk(trainer, line)
     logger = _mindformers_logger()
     config = _with_max_logits(trainer, config, logger)
     layout = trainer_layout(trainer)
     reduction = layout.data_parallel if layout is not None else DataParallel(config.monitor.data_parallel_group)
-    run = assemble(config, model=trainer.model, optimizer=trainer.optimizer, rank=_rank(), logger=logger,
+    run = assemble(config, model=model, optimizer=trainer.optimizer, rank=_rank(), logger=logger,
                    data_parallel=reduction, global_batch_size=training.global_batch_size, layout=layout)
     for callback in run.callbacks:
         trainer.callback_handler.add_callback(callback)
-    _attach_tensor_stats(trainer, run)
+    _attach_tensor_stats(trainer, model, run)
+    if line.own_monitor:
+        trainer.monitor = LoopMonitorView(run.group)
     trainer._mindmon = SimpleNamespace(config=config, group=run.group, data_parallel=reduction, train_step=None,
                                        layout=layout)
 
 
-def _attach_tensor_stats(trainer, run) -> None:
+def _single_chunk(trainer, line: TrainerVersion):
+    """The model mindmon monitors. MindFormers 2.x runs its own parallelism through hyper_parallel, which
+    mindmon's step does not drive: there it attaches to a one-process, one-chunk Trainer only."""
+    chunks = model_chunks(trainer)
+    if not line.single_process_view and (trainer.world_size > 1 or len(chunks) > 1):
+        raise ConfigError(f"parallelism: got a world of {trainer.world_size} processes and {len(chunks)} model "
+                          f"chunks; allowed: one process with one model chunk (mindmon runs the MindFormers "
+                          f"{line.prefix}x Trainer on one device; its parallelism runs through hyper_parallel, "
+                          f"which mindmon's training step does not drive)")
+    return chunks[0]
+
+
+def _attach_tensor_stats(trainer, model, run) -> None:
     """`monitor.tensor_stats`: msprobe's parameter, gradient and optimizer-state hooks on this trainer's
     model and optimizer, recording into the run's group, which the trainer flushes (the gradients reach
     the optimizer as its call's argument, which is where `grad_reduced` is read)."""
@@ -211,7 +230,7 @@ def _attach_tensor_stats(trainer, run) -> None:
 
     hooks = run.tensor_stats_hooks(params_have_main_grad=False) if trainer.optimizer is not None else None
     if hooks is not None:
-        hooks.attach(attachment(trainer.model, trainer.num_accumulation_steps, trainer.optimizer))
+        hooks.attach(attachment(model, trainer.num_accumulation_steps, trainer.optimizer))
 
 
 def _check_batch_size(dataset, per_step: int, local_batch_size: int) -> None:
@@ -237,6 +256,7 @@ def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
     `qk_clip_enabled` and no such callback, one (step_interval 1) is added, so the model's running
     max is tracked and reset every step. Tracking is never switched off here."""
     handler = trainer.callback_handler
+    _replace_stock_max_logits(handler)
     declared = [c for c in handler.callbacks if isinstance(c, MaxLogitsMonitor)]
     if config.qk_clip_enabled:
         if config.optimizer_type != "Muon" and not _is_muon(trainer.optimizer):
@@ -252,6 +272,8 @@ def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
     if wanted and not declared:   # asked for by the config alone (monitor_config.max_attention_logit_format)
         declared = [MaxLogitsMonitor(step_interval=wanted[0].get("step_interval", 1))]
         handler.add_callback(declared[0])
+    for callback in declared:   # the run's monitor reads, writes and resets; the callback stands aside
+        callback.collected_by_run = True
     others = tuple(c for c in config.callbacks if c.get("type") != MAX_LOGITS_CALLBACK)
     entries = tuple({"type": MAX_LOGITS_CALLBACK, "step_interval": c.step_interval} for c in declared)
     callbacks = others + entries
@@ -259,14 +281,11 @@ def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
         "max_logits", MaxLogitsSection.parse("callbacks", callbacks))
 
 
-def _training_step(self, model, inputs, grad_fn):
-    """K micro-steps, one update; replaces 1.9.0's single forward/backward. `grad_fn` is unused:
-    mindmon's own one scales each micro-batch loss by 1/K."""
-    del grad_fn
-    state = self._mindmon
-    if state.train_step is None:
-        state.train_step = AccumulatingTrainStep(
-            lambda batch: self.compute_loss(model, batch), self.optimizer, self.num_accumulation_steps,
-            group=state.group, max_norm=self.config.training.max_norm, data_parallel=state.data_parallel,
-            layout=state.layout)
-    return state.train_step(split_batch(inputs, self.num_accumulation_steps))
+def _replace_stock_max_logits(handler) -> None:
+    """MindFormers 2.x adds its own MaxLogitsMonitor when Muon's QK clip needs the running max reset and no
+    callback of that name is declared; two resetters would leave mindmon's monitor a reset max. It is
+    swapped for mindmon's, with the same step_interval."""
+    for callback in list(handler.callbacks):
+        if type(callback).__name__ in ("MaxLogitsMonitor", "MaxLogitsReset") and not isinstance(callback, MaxLogitsMonitor):
+            handler.callbacks.remove(callback)
+            handler.callbacks.append(MaxLogitsMonitor(step_interval=getattr(callback, "step_interval", 1)))

@@ -1,0 +1,3 @@
+from hyper_parallel._single_device import multi_device_function
+
+get_global_layout = multi_device_function("hyper_parallel.core.distributed_checkpoint.get_global_layout")

@@ -1,0 +1,3 @@
+from hyper_parallel._single_device import multi_device_function
+
+_infer_slice_area_by_rank = multi_device_function("hyper_parallel.core.dtensor.layout._infer_slice_area_by_rank")
