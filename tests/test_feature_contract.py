@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import make_model
+from mindmon.events import GradientsReduced, ReduceBegin
 from mindmon.config import check_bool, check_keys
 from mindmon.engine import Feature, Monitor, RunInfo, Sink, SinkClosedError
 from mindmon.factory import build, build_callbacks, group_of
@@ -104,7 +105,7 @@ def test_a_failing_monitor_is_dropped_and_the_others_go_on(feature, tmp_path, ca
 # --- a toy capability, added as docs/architecture.md shows: one folder's worth of code, one registry line ---
 
 @dataclass(frozen=True)
-class StepTimeConfig:
+class ReduceWaitConfig:
     enabled: bool = False
 
     @property
@@ -120,18 +121,21 @@ class StepTimeConfig:
         return {"enabled": self.enabled}
 
 
-class StepTimeMonitor(Monitor):
-    KEYS = ("step_time",)
+class ReduceWaitMonitor(Monitor):
+    EVENTS = (ReduceBegin, GradientsReduced)
 
     def __init__(self, rank):
-        self.rank, self.seconds = rank, []
+        self.rank, self.began, self.seconds = rank, None, []
 
-    def record(self, key, value=None, context=None):
-        self.seconds.append(value)
+    def on_event(self, event):
+        if isinstance(event, ReduceBegin):
+            self.began = event.at
+        elif self.began is not None:
+            self.seconds.append(event.at - self.began)
 
     def collect(self, step):
         seconds, self.seconds = self.seconds, []
-        return [Record(step, None, self.rank, "step_time", "seconds", float(np.sum(seconds)))]
+        return [Record(step, None, self.rank, "reduce_wait", "seconds", float(np.sum(seconds)))]
 
 
 class Collected(Sink):
@@ -142,30 +146,33 @@ class Collected(Sink):
         self.records += records
 
 
-def _build_step_time(build, section):
+def _build_reduce_wait(build, section):
     if section.active:
-        build.add_monitor(StepTimeMonitor(build.rank))
+        build.add_monitor(ReduceWaitMonitor(build.rank))
         build.sinks.append(Collected())
 
 
-STEP_TIME = Feature("step_time", "monitor.step_time", parse=StepTimeConfig.parse, build=_build_step_time,
-                    example={"monitor": {"step_time": {"enabled": True}}})
+REDUCE_WAIT = Feature("reduce_wait", "monitor.reduce_wait", parse=ReduceWaitConfig.parse, build=_build_reduce_wait,
+                      example={"monitor": {"reduce_wait": {"enabled": True}}})
 
 
 def test_a_new_feature_is_one_registration(tmp_path):
-    features = FEATURES + (STEP_TIME,)
-    config, built = _built(STEP_TIME, tmp_path, features)
-    assert config.monitor.step_time == StepTimeConfig(True)
-    assert "step_time" in parse_sections({"monitor": {"step_time": {"enabled": False}}}, features).to_dict()["monitor"]
+    features = FEATURES + (REDUCE_WAIT,)
+    config, built = _built(REDUCE_WAIT, tmp_path, features)
+    assert config.monitor.reduce_wait == ReduceWaitConfig(True)
+    assert "reduce_wait" in parse_sections({"monitor": {"reduce_wait": {"enabled": False}}}, features).to_dict()["monitor"]
     group = group_of(built)
     group.setup()
-    group.record("step_time", 0.25)
-    group.record("step_time", 0.5)
+    events = [ReduceBegin(), GradientsReduced(), ReduceBegin(), GradientsReduced()]
+    for event in events:
+        group.emit(event)
     group.flush(3)
     collected = next(s for s in built.sinks if isinstance(s, Collected))
-    assert [(r.step, r.kind, r.value) for r in collected.records] == [(3, "step_time", 0.75)]
-    with pytest.raises(Exception, match=r"monitor\.step_time\.enabled: got 'yes' \(str\); allowed: True or False"):
-        parse_sections({"monitor": {"step_time": {"enabled": "yes"}}}, features)
-    with pytest.raises(Exception, match=r"monitor\.step_tme: unknown key 'step_tme' \(did you mean 'step_time'\?\)"):
-        parse_sections({"monitor": {"step_tme": {}}}, features)
+    expected = (events[1].at - events[0].at) + (events[3].at - events[2].at)
+    assert [(r.step, r.kind) for r in collected.records] == [(3, "reduce_wait")]
+    assert collected.records[0].value == pytest.approx(expected, rel=1e-12) and expected > 0
+    with pytest.raises(Exception, match=r"monitor\.reduce_wait\.enabled: got 'yes' \(str\); allowed: True or False"):
+        parse_sections({"monitor": {"reduce_wait": {"enabled": "yes"}}}, features)
+    with pytest.raises(Exception, match=r"monitor\.reduce_wat: unknown key 'reduce_wat' \(did you mean 'reduce_wait'\?\)"):
+        parse_sections({"monitor": {"reduce_wat": {}}}, features)
     group.close()
