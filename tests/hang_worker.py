@@ -54,7 +54,7 @@ def monitored(config_dict, model, optimizer, output_dir: str, hang_after):
 
     def on_hang(hang):
         for sink in alerts:
-            sink.report_event("hang", hang.odd[0] if hang.odd else 0, hang.step, hang.stalled, hang.line)
+            sink.hang(hang)
 
     watchdog = peer_watchdog(built.logger, hang_after, output_dir, on_hang)
     built.sinks = [sink for sink in built.sinks if not isinstance(sink, PeerWatchdog)] + [watchdog]
