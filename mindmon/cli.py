@@ -11,6 +11,7 @@
     mindmon profile-summary DIR [--top N] [--by type|name]    top operators by total time in a profiler trace
     mindmon anomalies -d DIR [-o OUT] [-k 8] [-s STEPS]       the first anomalies in time, across ranks
     mindmon alerts resend RUN_DIR [--config FILE]             deliver what a run left in its alert spool files
+    mindmon csv2db RUN_DIR [-o DB] [--micro_step true|false]  msprobe CSV files -> msprobe's trend SQLite database
 
 `python -m mindmon` is the same command. The live path (training) is in mindmon.group, .factory,
 .step, .monitors, .sinks, .callbacks, .probes, .integrations; these commands use mindmon.analysis.
@@ -278,6 +279,15 @@ def _add_csv2tensorboard(commands) -> None:
     convert.set_defaults(handler=csv2tb.run)
 
 
+def _add_csv2db(commands) -> None:
+    from mindmon.msprobe import csv2db
+
+    convert = commands.add_parser("csv2db", help="a run's msprobe monitor CSV files (TrainerMon and TrainerMonitorV2) "
+                                  "in one SQLite database of msprobe's trend schema")
+    csv2db.add_arguments(convert)
+    convert.set_defaults(handler=csv2db.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindmon", description="Training monitors for MindSpore/MindFormers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -287,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_anomalies(commands)
     _add_alerts(commands)
     _add_csv2tensorboard(commands)
+    _add_csv2db(commands)
     return parser
 
 
