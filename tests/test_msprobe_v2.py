@@ -236,3 +236,39 @@ def test_start_without_the_optimizer_a_monitor_needs(tmp_path):
     with pytest.raises(ConfigError) as error:
         monitor.start(model=make_model())
     assert str(error.value).startswith("monitors.weight_grad: enabled, but start() got no optimizer")
+
+
+def test_without_an_optimizer_step_ends_the_step(tmp_path):
+    """Module rows only, no optimizer: a step is what lies between step() calls (K forwards each here);
+    start_step 1 and collect_times 1 keep step 1 alone. Every forward row equals numpy's."""
+    import mindspore as ms
+
+    from mindmon.msprobe import TrainerMonitorV2
+    from msprobe_reference import make_model
+
+    config = {"output_dir": str(tmp_path / "out"), "start_step": 1, "collect_times": 1,
+              "monitors": {"module": {"targets": ["fc2"], "ops": ["max", "zeros"]}}}
+    monitor = TrainerMonitorV2(write(tmp_path, config), fr="ms")
+    model = make_model()
+    model.set_train(True)
+    monitor.start(model=model)
+    for step in range(3):
+        for x, _ in batches()[step]:
+            model(ms.Tensor(x))
+        monitor.step()
+    monitor.stop()
+    files = read_files(tmp_path / "out" / "rank_0")
+    assert list(files) == ["module_step1-1.csv"]
+    header, body = files["module_step1-1.csv"]
+    assert header == ["vpp_stage", "step", "module_name", "scope", "micro_step", "max", "zeros"]
+    w = {n: a.astype(np.float64) for n, a in initial_weights().items()}
+    want = []
+    for k, (x, _) in enumerate(batches()[1], start=1):
+        _, a, o = forward(w, x)
+        want += [("fc2.input.0", str(k), a), ("fc2.output.0", str(k), o)]
+    assert sorted((r[2], r[4]) for r in body) == sorted((n, k) for n, k, _ in want)
+    for name, k, array in want:
+        row = next(r for r in body if r[2] == name and r[4] == k)
+        assert row[:4] == ["-1", "1", name, "forward"]
+        assert abs(float(row[5]) - array.max()) <= 1e-5 * abs(array.max())
+        assert float(row[6]) == float(np.float32(np.count_nonzero(np.abs(array) < 1e-8) / array.size))
