@@ -90,10 +90,14 @@ def _own_outputs(build: Build) -> List[Sink]:
     if monitor.tensorboard.enabled:
         from mindmon.sinks.tensorboard import TensorBoardSink, record_tags
 
-        tensorboard = monitor.tensorboard
+        tensorboard, shown = monitor.tensorboard, monitor.tensorboard_tags
+        # MindFormers' TrainingStateMonitor tags (monitor_config) name parameters: they stay per parameter.
+        mindformers_tags = getattr(build.config.sections.get("monitor_config"), "active", False)
         sinks.append(TensorBoardSink(tensorboard.tensorboard_dir, tensorboard.tensorboard_log_interval,
                                      tensorboard.tensorboard_queue_size,
-                                     build.tensorboard_tags(record_tags) if build.tensorboard_tags else record_tags))
+                                     build.tensorboard_tags(record_tags) if build.tensorboard_tags else record_tags,
+                                     detail="parameter" if mindformers_tags else shown.detail,
+                                     vs_samples=shown.vs_samples))
     return sinks
 
 

@@ -17,6 +17,7 @@ K, LOCAL_BATCH = 2, 4
 
 def config(output_dir: str, across_ranks: bool) -> dict:
     monitor = {"output_dir": output_dir, "tensorboard": {"tensorboard_dir": f"{output_dir}/tensorboard"},
+               "tensorboard_tags": {"detail": "parameter"},
                "train_state": {"local_norm": True, "local_loss": True, "device_norm": True, "device_loss": True},
                "moe_monitor": {"save_tokens_per_expert_interval": 1}}
     if across_ranks:

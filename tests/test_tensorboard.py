@@ -94,7 +94,8 @@ def test_to_tensorboard_writes_what_the_sink_wrote(view_demo, tmp_path):
 def test_tensorboard_alone_records_the_trainer_values(tmp_path):
     """Only `monitor.tensorboard`: no train_state switch, yet loss, grad norm and lr reach TensorBoard,
     equal to what MindFormers' own LossCallback prints."""
-    config = trainer_config(tmp_path, steps=2, monitor={"tensorboard": {"tensorboard_dir": str(tmp_path / "tb")}})
+    config = trainer_config(tmp_path, steps=2, monitor={"tensorboard": {"tensorboard_dir": str(tmp_path / "tb")},
+                                                        "tensorboard_tags": {"vs_samples": True}})
     trainer = train(config)
     actual = scalars(tmp_path / "tb" / "rank_0")
     assert set(actual) == {"lm_loss", "grad-norm", "learning-rate", "max_norm/global", "lm_loss_vs_samples",

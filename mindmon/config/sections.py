@@ -20,14 +20,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from mindmon.config.checks import (ConfigError, check_bool, check_directory, check_keys, is_int, parse_ranks,
-                                   type_error, value_error)
+from mindmon.config.checks import (ConfigError, check_bool, check_directory, check_keys, check_one_of, is_int,
+                                   parse_ranks, type_error, value_error)
 
 DEFAULT_OUTPUT_DIR = "./output/monitor"
 # MindFormers' own monitor keys, handed to the stock config unchanged (1.9.0 accepts them);
 # mindmon also reads `tensorboard` (TensorBoardConfig).
 PASSTHROUGH_MONITOR_KEYS = ("health_checkpoint", "tensorboard")
-MONITOR_KEYS = ("output_dir", "ranks", "data_parallel_group", "metrics_formats")
+MONITOR_KEYS = ("output_dir", "ranks", "data_parallel_group", "metrics_formats", "tensorboard_tags")
 METRICS_FORMATS = ("jsonl", "parquet")
 
 
@@ -79,6 +79,43 @@ class TensorBoardConfig:
         return {k: getattr(self, k) for k in self.KEYS}
 
 
+TENSORBOARD_DETAILS = ("layer", "parameter")
+
+
+@dataclass(frozen=True)
+class TensorBoardTagsConfig:
+    """`monitor.tensorboard_tags`: which tags the TensorBoard sink writes. mindmon's own key, next to
+    `monitor.tensorboard` rather than in it: MindFormers gets `monitor.tensorboard` as it is, and refuses a
+    key it does not know there.
+
+    `detail: layer` (the default) writes the per-parameter gradient norms (`local_norm`, `micro_norm`,
+    `device_norm`) one curve per layer (mindmon.sinks.tensorboard.layer_of) and leaves out rank 0's
+    per-parameter cross-rank columns; `parameter` writes one curve per parameter and every column.
+    `vs_samples: true` adds each tag's `<tag>_vs_samples` copy against the samples consumed.
+
+    Example:
+        TensorBoardTagsConfig.parse("monitor.tensorboard_tags", {"detail": "parameter"}).vs_samples   # False
+    """
+
+    detail: str = "layer"
+    vs_samples: bool = False
+
+    KEYS = ("detail", "vs_samples")
+
+    @classmethod
+    def parse(cls, path: str, section: Any) -> "TensorBoardTagsConfig":
+        section = check_keys(path, section, cls.KEYS)
+        out = {}
+        if "detail" in section:
+            out["detail"] = check_one_of(f"{path}.detail", section["detail"], TENSORBOARD_DETAILS)
+        if "vs_samples" in section:
+            out["vs_samples"] = check_bool(f"{path}.vs_samples", section["vs_samples"])
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+
 class _Sections:
     """A feature's section read as an attribute, as the YAML spells it: `config.monitor.train_state`."""
 
@@ -107,6 +144,7 @@ class MonitorConfig(_Sections):
     data_parallel_group: Optional[str] = None
     sections: Mapping[str, Any] = field(default_factory=dict)
     metrics_formats: Tuple[str, ...] = ("jsonl",)   # rank_<r>/metrics.jsonl and/or rank_<r>/metrics.parquet
+    tensorboard_tags: TensorBoardTagsConfig = TensorBoardTagsConfig()
 
     def selects_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -130,10 +168,12 @@ class MonitorConfig(_Sections):
         ranks = parse_ranks(f"{path}.ranks", section.get("ranks"))
         sections = {f.name: f.parse(f.path, section.get(key)) for key, f in keys.items()}
         formats = parse_metrics_formats(f"{path}.metrics_formats", section.get("metrics_formats", ["jsonl"]))
-        return cls(output_dir, tensorboard, ranks, group, sections, formats)
+        tags = TensorBoardTagsConfig.parse(f"{path}.tensorboard_tags", section.get("tensorboard_tags"))
+        return cls(output_dir, tensorboard, ranks, group, sections, formats, tags)
 
     def to_dict(self) -> dict:
         return {"output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
+                "tensorboard_tags": self.tensorboard_tags.to_dict(),
                 "ranks": list(self.ranks) if self.ranks is not None else None,
                 "data_parallel_group": self.data_parallel_group, "metrics_formats": list(self.metrics_formats),
                 **self.section_dicts()}

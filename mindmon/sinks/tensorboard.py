@@ -7,13 +7,19 @@ Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate
 layer is Megatron's `max_attention_logit`, their mean `max_attention_logit/mean`). Step-level values are
 plotted against the training step; micro-step values against the global micro-step
 (mindmon.formats.layout).
-When the global batch size is known, every tag is written a second time as `<tag>_vs_samples`
-(Megatron's `<tag> vs samples`), against the samples consumed so far.
+With `vs_samples` and the global batch size known, every tag is written a second time as
+`<tag>_vs_samples` (Megatron's `<tag> vs samples`), against the samples consumed so far.
+
+`detail="layer"` (`monitor.tensorboard_tags`' default) keeps the page readable on a model of thousands
+of tensors: the per-parameter gradient norms become one curve per layer (`LayerNorms`), and rank 0's
+cross-rank columns of single parameters are left out. The sink's own default is every tag
+(`detail="parameter"`, `vs_samples=True`), as `mindmon to-tensorboard` writes them.
 
 `msprobe_tensorboard_sink` writes the msprobe and kj600 front doors' TensorBoard in msprobe's spelling
 instead (mindmon/formats/msprobe_tags.py): `0:fc1.weight/rank0/post_grad_norm`, every value against the
 0-based step (per-micro-step values carry their micro-step in the tag), no `_vs_samples` copies.
 """
+import math
 import os
 from collections import defaultdict
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -23,9 +29,10 @@ from mindmon.sinks.lines import unwritable
 from mindmon.formats import msprobe_tags
 from mindmon.formats.histogram import HISTOGRAM_KINDS
 from mindmon.formats.layout import global_micro_step, rank_dir
-from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOSS, LOSS_SCALE, MAX_ATTENTION_LOGIT,
-                       MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SAMPLES, SKIPPED_STEPS,
-                       TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, UPDATE_SKIPPED, Record, TensorStatsRecord)
+from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM,
+                             LOSS, LOSS_SCALE, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN,
+                             MICRO_NORM, OVERFLOW, SAMPLES, SKIPPED_STEPS, TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP,
+                             UPDATE_SKIPPED, Record, TensorStatsRecord)
 
 # Megatron's names for the scalars it also plots, as tensorboardX writes them (it turns the
 # characters TensorBoard does not allow in a tag, such as spaces, into "_": "lm loss" -> "lm_loss").
@@ -34,6 +41,11 @@ MEGATRON_TAGS = {LOSS: "lm_loss", GRAD_NORM: "grad-norm", LEARNING_RATE: "learni
 # One curve per kind: the record's name ("loss") adds nothing.
 KIND_TAGS = (DEVICE_LOSS, LOCAL_LOSS, OVERFLOW, UPDATE_SKIPPED, SKIPPED_STEPS)
 VS_SAMPLES = "_vs_samples"
+DETAILS = ("layer", "parameter")
+# Per-parameter gradient norms, one curve per layer with detail="layer".
+LAYER_KINDS = (LOCAL_NORM, MICRO_NORM, DEVICE_NORM)
+# Rank 0's cross-rank columns of single parameters (`micro_norm/<param>/max`, `accumulated_norm/<param>/mean`).
+PARAMETER_COLUMNS = (f"{MICRO_NORM}/", "accumulated_norm/")
 
 
 def _list_tags(record: Record) -> Iterator[Tuple[str, float]]:
@@ -93,6 +105,88 @@ def msprobe_step(record: Record) -> int:
     return record.step - 1
 
 
+def layer_of(parameter: str) -> str:
+    """The layer a parameter belongs to: its name up to and including the first dot-separated component
+    that is a number; a parameter outside numbered layers is a group of its own.
+
+    Example:
+        layer_of("decoder.layers.3.self_attention.linear_qkv.weight")   # "decoder.layers.3"
+        layer_of("embedding.word_embeddings.weight")                     # itself
+    """
+    parts = parameter.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:index + 1])
+    return parameter
+
+
+class LayerNorms:
+    """A step's per-parameter gradient norms as per-layer norms, and rank 0's per-parameter cross-rank
+    columns left out (TensorBoardSink with detail="layer").
+
+    A layer's `device_norm` and `micro_norm` are sqrt(sum of its parameters' squared norms): the norm of
+    the layer's gradients taken as one vector. Its `local_norm` at micro-step k is the increment of that
+    norm of the layer's accumulated gradient, L_k - L_{k-1}, with L_k = sqrt(sum over the layer's
+    parameters of A_k^2) and each parameter's A_k the sum of its increments 0..k of the step (L_{-1} = 0):
+    the same definition as a parameter's, so a layer's increments add up to its accumulated norm.
+    Only the parameters the norm filters select count.
+    """
+
+    def __init__(self):
+        self._layers = {}          # parameter -> layer_of(parameter)
+        self._step = None          # the step the accumulated norms below belong to
+        self._accumulated = {}     # parameter -> A_k, its accumulated-gradient norm so far in the step
+        self._layer_norms = {}     # layer -> L_k at the last micro-step seen
+
+    def regroup(self, records: Sequence[Record]) -> List[Record]:
+        kept, groups = [], defaultdict(list)
+        for record in records:
+            if record.kind in LAYER_KINDS and type(record) is Record and not isinstance(record.value, list):
+                groups[(record.kind, record.step, record.micro_step)].append(record)
+            elif not (record.kind == ACROSS_RANKS and record.name.startswith(PARAMETER_COLUMNS)):
+                kept.append(record)
+        for (kind, step, micro_step), members in sorted(groups.items(), key=_in_step_order):
+            by_layer = self._by_layer(members)
+            if kind == LOCAL_NORM:
+                values = self._increments(step, by_layer)
+            else:
+                values = {layer: _norm([r.value for r in rs]) for layer, rs in by_layer.items()}
+            first = members[0]
+            kept += [Record(step, micro_step, first.rank, kind, layer, value, first.iteration)
+                     for layer, value in values.items()]
+        return kept
+
+    def _by_layer(self, members: List[Record]):
+        by_layer = defaultdict(list)
+        for record in members:
+            layer = self._layers.get(record.name)
+            if layer is None:
+                layer = self._layers[record.name] = layer_of(record.name)
+            by_layer[layer].append(record)
+        return by_layer
+
+    def _increments(self, step: int, by_layer) -> dict:
+        if step != self._step:
+            self._step, self._accumulated, self._layer_norms = step, {}, {}
+        increments = {}
+        for layer, members in by_layer.items():
+            for record in members:
+                self._accumulated[record.name] = self._accumulated.get(record.name, 0.0) + record.value
+            norm = _norm([self._accumulated[r.name] for r in members])
+            increments[layer] = norm - self._layer_norms.get(layer, 0.0)
+            self._layer_norms[layer] = norm
+        return increments
+
+
+def _in_step_order(group) -> tuple:
+    (kind, step, micro_step), _ = group
+    return step, -1 if micro_step is None else micro_step, kind
+
+
+def _norm(values: Sequence[float]) -> float:
+    return math.sqrt(sum(v * v for v in values))
+
+
 class Axes:
     """Where a record sits on the x axes: training step (or global micro-step), and samples.
 
@@ -139,11 +233,19 @@ class TensorBoardSink(Sink):
         sink.open(RunInfo(rank=0, global_batch_size=8))
         sink.write([Record(1, None, 0, "grad_norm", "global", 1.19)])   # tags grad-norm, grad-norm_vs_samples
         sink.close()
+
+    `detail` ("parameter" or "layer", LayerNorms) and `vs_samples` choose the tags; the defaults write
+    every one (`monitor.tensorboard_tags` defaults to "layer" and no `_vs_samples` copies).
     """
 
     def __init__(self, tensorboard_dir: str, log_interval: int = 1, queue_size: int = 1000, tags=record_tags,
-                 image_tag=histogram_tag, step_of: Optional[Callable[[Record], int]] = None, per_rank: bool = True):
+                 image_tag=histogram_tag, step_of: Optional[Callable[[Record], int]] = None, per_rank: bool = True,
+                 detail: str = "parameter", vs_samples: bool = True):
+        if detail not in DETAILS:
+            raise ValueError(f"detail: got {detail!r}; allowed: one of {list(DETAILS)}")
         self.tensorboard_dir = tensorboard_dir
+        self.layers = LayerNorms() if detail == "layer" else None
+        self.vs_samples = vs_samples
         self.per_rank = per_rank
         self.tags = tags   # record -> [(tag, value)]; monitor_config gives MindFormers' tags (sinks/training_state.py)
         self.image_tag = image_tag   # histogram record -> the tag of its heat map image
@@ -172,12 +274,15 @@ class TensorBoardSink(Sink):
     def write(self, records: Sequence[Record]) -> None:
         records = [r for r in records if r.step % self.log_interval == 0]
         self.axes.see(records)
+        if self.layers is not None:
+            records = self.layers.regroup(records)
         at = defaultdict(list)   # x -> its scalars: one event each (tensorboardX's add_scalar: one per value)
         for record in records:
             if self.step_of is not None:
                 step, samples = self.step_of(record), None
             else:
-                step, samples = self.axes.step(record), self.axes.samples(record)
+                step = self.axes.step(record)
+                samples = self.axes.samples(record) if self.vs_samples else None
             if record.kind in HISTOGRAM_KINDS:
                 self._add_heatmap(record, step)
             for tag, value in self.tags(record):
