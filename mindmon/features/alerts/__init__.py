@@ -1,5 +1,6 @@
 """Anomaly alerts: rules over mindmon records, msprobe's anomaly.json dump, the analysis of dumps,
-and delivery to a database or by e-mail. See docs/alerts.md.
+delivery to a database, by e-mail or to a webhook, and run events to the same recipients. See
+docs/alerts.md.
 
 Example:
     from mindmon.features.alerts import AlertConfig, AlertSink
@@ -33,6 +34,7 @@ def build(build, section: AlertConfig) -> None:
     sink, actions = build_alert_sink(section, build.config.monitor.output_dir, build.rank, build.logger,
                                      build.data_parallel, path=section.path, pipeline=pipeline)
     build.sinks.append(sink)
+    build.parts["alert"] = sink   # the front doors and the watchdog report run events to it (AlertSink.report_event)
     build.add_actions(actions)
 
 
