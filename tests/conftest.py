@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,23 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("LOG_MF_PATH", tempfile.mkdtemp(prefix="mindmon-test-log-"))
+
+
+def _mindformers_major():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("mindformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
+# MindFormers 2.x imports hyper_parallel, which no package registry serves: in the environment that has
+# MindFormers 2.0 (.venv-ms210), the tests' single-device stand-in goes on the path, before anything
+# imports MindFormers (tests/support/hyper_parallel_standin/README.md).
+HYPER_PARALLEL_STANDIN = Path(__file__).parent / "support" / "hyper_parallel_standin"
+if _mindformers_major() == 2:
+    sys.path.insert(0, str(HYPER_PARALLEL_STANDIN))
 
 import mindspore as ms  # noqa: E402
 

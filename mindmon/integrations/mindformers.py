@@ -21,11 +21,13 @@ import os
 from types import SimpleNamespace
 
 from mindmon.callbacks import MaxLogitsMonitor
+from mindmon.features.max_logits.callback import MaxLogitsReset
 from mindmon.config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml
 from mindmon.features import parse_sections
 from mindmon.distributed import DataParallel
 from mindmon.factory import assemble
 from mindmon.features.max_logits import MAX_LOGITS_CALLBACK, MaxLogitsSection
+from mindmon.features.max_logits.config import MAX_LOGITS_RESET
 from mindmon.integrations.mindformers_versions import (SUPPORTED_VERSIONS, TrainerVersion, model_chunks,
                                                       trainer_version)
 from mindmon.integrations.monitor_view import LoopMonitorView
@@ -78,6 +80,9 @@ def _register_callbacks() -> None:
 
     MindFormerRegister.register_cls(MaxLogitsMonitor, module_type=MindFormerModuleType.CALLBACK,
                                     alias="MaxLogitsMonitor")
+    MindFormerRegister.register_cls(MaxLogitsReset, module_type=MindFormerModuleType.CALLBACK,
+                                    alias="MaxLogitsReset")
+    MaxLogitsMonitor.default_logger = _mindformers_logger()   # standing alone, it logs where MindFormers does
 
 
 def check_callback_types(config: MindmonConfig) -> None:
@@ -88,7 +93,8 @@ def check_callback_types(config: MindmonConfig) -> None:
     import mindformers  # noqa: F401  (importing it registers its callbacks)
     from mindformers.tools.register.register import MindFormerModuleType, MindFormerRegister
 
-    known = sorted(set(MindFormerRegister.registry.get(MindFormerModuleType.CALLBACK, {})) | {"MaxLogitsMonitor"})
+    known = sorted(set(MindFormerRegister.registry.get(MindFormerModuleType.CALLBACK, {})) |
+                   {"MaxLogitsMonitor", "MaxLogitsReset"})
     for index, entry in enumerate(config.callbacks):
         if entry["type"] not in known:
             close = difflib.get_close_matches(entry["type"], known, n=3)
@@ -270,12 +276,14 @@ def _with_max_logits(trainer, config: MindmonConfig, logger) -> MindmonConfig:
                         "MaxLogitsMonitor (step_interval 1) added to reset it every step")
     wanted = [c for c in config.callbacks if c.get("type") == MAX_LOGITS_CALLBACK]
     if wanted and not declared:   # asked for by the config alone (monitor_config.max_attention_logit_format)
-        declared = [MaxLogitsMonitor(step_interval=wanted[0].get("step_interval", 1))]
+        declared = [MaxLogitsMonitor(step_interval=wanted[0].get("step_interval", 1),
+                                     enable_logging=wanted[0].get("enable_logging", True))]
         handler.add_callback(declared[0])
     for callback in declared:   # the run's monitor reads, writes and resets; the callback stands aside
         callback.collected_by_run = True
-    others = tuple(c for c in config.callbacks if c.get("type") != MAX_LOGITS_CALLBACK)
-    entries = tuple({"type": MAX_LOGITS_CALLBACK, "step_interval": c.step_interval} for c in declared)
+    others = tuple(c for c in config.callbacks if c.get("type") not in (MAX_LOGITS_CALLBACK, MAX_LOGITS_RESET))
+    entries = tuple({"type": MAX_LOGITS_CALLBACK, "step_interval": c.step_interval,
+                     "enable_logging": c.enable_logging} for c in declared)
     callbacks = others + entries
     return dataclasses.replace(config, callbacks=callbacks).with_section(
         "max_logits", MaxLogitsSection.parse("callbacks", callbacks))
@@ -288,4 +296,5 @@ def _replace_stock_max_logits(handler) -> None:
     for callback in list(handler.callbacks):
         if type(callback).__name__ in ("MaxLogitsMonitor", "MaxLogitsReset") and not isinstance(callback, MaxLogitsMonitor):
             handler.callbacks.remove(callback)
-            handler.callbacks.append(MaxLogitsMonitor(step_interval=getattr(callback, "step_interval", 1)))
+            handler.callbacks.append(MaxLogitsMonitor(step_interval=getattr(callback, "step_interval", 1),
+                                                      enable_logging=getattr(callback, "enable_logging", True)))

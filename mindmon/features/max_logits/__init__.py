@@ -10,7 +10,7 @@ def build(build, section: MaxLogitsSection) -> None:
 
         build.add_monitor(MaxAttentionLogitMonitor(build.model, section.step_interval, build.rank,
                                                    build.data_parallel if build.cross_rank else None, build.logger,
-                                                   build.layout))
+                                                   build.layout, section.enable_logging))
 
 
 FEATURE = Feature("max_logits", "callbacks", parse=MaxLogitsSection.parse, build=build,

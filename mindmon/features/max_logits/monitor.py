@@ -27,8 +27,9 @@ class MaxAttentionLogitMonitor(Monitor):
     """
 
     def __init__(self, model, step_interval: int = 1, rank: int = 0, data_parallel: Optional[DataParallel] = None,
-                 logger: Optional[logging.Logger] = None, layout=None):
+                 logger: Optional[logging.Logger] = None, layout=None, enable_logging: bool = True):
         self.step_interval = check_step_interval(step_interval)
+        self.enable_logging = enable_logging   # False: the running max is only reset, every step
         self.rank = rank
         self.data_parallel = data_parallel   # None: this rank's values only
         # Heads split over tensor-parallel ranks: each layer's vector is every rank's heads in rank order.
@@ -46,7 +47,7 @@ class MaxAttentionLogitMonitor(Monitor):
         if self.model is None:
             return []
         try:
-            if step % self.step_interval:
+            if step % self.step_interval or not self.enable_logging:
                 return []
             values = {name: v.asnumpy() for name, v in self.model.get_max_attention_logit().items()}
             return self._records(step, self._max_over_ranks(self._heads_of_every_rank(values)))

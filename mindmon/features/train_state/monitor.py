@@ -54,7 +54,16 @@ class TrainStateMonitor(Monitor):
         # mindmon.parallel), written by the first rank of those groups only.
         self._shards = ShardedNorms(layout, self.names, self.indices, parameter_names) if ShardedNorms.needed(layout) else None
         self.writes_norms = layout is None or layout.writes_full_parameters
+        # Only the events this configuration records from, so that the group's `should_record(key)` answers
+        # per key, as the MindFormers protocol expects (only device_norm on: device_loss is not wanted).
+        self.EVENTS = self.events_for(config, self.collects_norms)
         self.reset()
+
+    @staticmethod
+    def events_for(config: TrainStateConfig, collects_norms: bool) -> tuple:
+        wanted = ((MicroBatchLoss, config.local_loss), (MicroBatchGradients, collects_norms),
+                  (StepLoss, config.device_loss), (GradientsReduced, config.device_norm.enabled))
+        return tuple(event for event, on in wanted if on)
 
     def reset(self) -> None:
         self._norms.clear()
