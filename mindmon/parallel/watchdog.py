@@ -12,7 +12,7 @@ waits `SETTLE` seconds after the first loss, so the ranks of one node are named 
 one line and answers every survivor's next heartbeat with it. A rank that loses rank 0 says so itself.
 
 Each heartbeat also carries the rank's place in its step (mindmon.progress: step, phase, since when).
-Rank 0 declares a hang when no rank's place has changed for `hang_after` seconds: it logs one line
+Rank 0 declares a hang when no rank has moved for `hang_after` seconds: it logs one line
 naming the ranks whose (step, phase) differ from the majority's, writes its threads' stacks
 (faulthandler), hands the event to `on_hang`, and answers every heartbeat with the line until some rank
 moves again; each rank that hears it logs it and writes its own stacks.
@@ -27,13 +27,13 @@ import atexit
 import errno
 import faulthandler
 import os
-import statistics
 import selectors
 import socket
+import statistics
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -97,12 +97,12 @@ class Hang:
     """A hang rank 0 declared: every watched rank's place when no rank had moved for `stalled` seconds."""
 
     number: int                  # 1 for the run's first hang, counted by rank 0
-    stalled: float               # seconds since any rank's place last changed (as rank 0 saw the changes)
+    stalled: float               # seconds since any rank last moved (entered a place, or finished)
     hang_after: float            # the threshold in force
     places: Dict[int, Place]     # rank -> its place
     majority: Tuple[int, str]    # the (step, phase) most ranks are in
     odd: Tuple[int, ...]         # the ranks whose (step, phase) differ from the majority's
-    stacks: str                  # where the ranks write their stacks (a pattern over ranks), or "stderr"
+    stacks: str                  # where the ranks write their stacks (a path with `*` for the rank)
     line: str                    # what is logged
 
     @property
