@@ -38,7 +38,12 @@ def write(tmp_path, config, name="config.json"):
 
 
 def run_golden(which, config_path, python=sys.executable, optimizer="experimental.Adam"):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + ([os.path.dirname(HERE)] if which == "mindmon" else [])))
+    """The golden run's script: mindmon's in this process, msprobe's in its own environment."""
+    if which == "mindmon":
+        from msprobe_v2_golden_run import main
+
+        return main("mindmon", config_path, optimizer)
+    env = dict(os.environ, PYTHONPATH=HERE)
     result = subprocess.run([python, os.path.join(HERE, "msprobe_v2_golden_run.py"), which, config_path, optimizer],
                             capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     assert result.returncode == 0, result.stderr[-3000:]
