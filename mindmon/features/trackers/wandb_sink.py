@@ -39,5 +39,12 @@ class WandbSink(TrackerSink):
         self.run.finish()
 
     def abandon(self) -> None:
-        if self.run is not None:
-            self.run.finish(exit_code=1)
+        """After a failure, W&B's service may be gone: its connection is closed now, so that nothing of it is
+        left for the interpreter's exit."""
+        import wandb
+
+        try:
+            if self.run is not None:
+                self.run.finish(exit_code=1)
+        finally:
+            wandb.teardown()
