@@ -14,6 +14,7 @@ from test_tensorboard import GLOBAL_BATCH, K, assert_same, expected_scalars, sca
 STEPS, LOCAL_BATCH = 3, GLOBAL_BATCH // K
 NORM_KINDS = ("local_norm", "micro_norm", "device_norm")
 LAYER = re.compile(r"(.*?\.\d+)(?:\.|$)")   # docs/outputs.md: up to the first numeric component
+STATISTICS = ("min", "mean", "max", "min_rank", "max_rank")
 
 
 def layer(name):
@@ -211,3 +212,45 @@ def test_a_bad_section_is_one_line_naming_the_key(tmp_path, section, message):
                             text=True, timeout=300)
     assert result.returncode == 1
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def seven_b_step(k_steps=2):
+    """One step of a 7B-sized dense model's train_state and rank 0's cross-rank records, as MindFormers'
+    Llama names its 291 tensors (32 layers of 9, the embedding, the final norm, the output layer)."""
+    from mindmon.records import Record
+
+    per_layer = ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
+                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+                 "attention_norm.weight", "ffn_norm.weight"]
+    names = [f"model.layers.{i}.{p}" for i in range(32) for p in per_layer]
+    names += ["model.tok_embeddings.embedding_weight", "model.norm_out.weight", "lm_head.weight"]
+    records = [Record(1, None, 0, "device_norm", n, 1.0) for n in names]
+    for k in range(k_steps):
+        records += [Record(1, k, 0, kind, n, 0.5) for kind in ("local_norm", "micro_norm") for n in names]
+        records += [Record(1, k, 0, "across_ranks", f"local_loss/{s}", 2.0) for s in STATISTICS]
+        records += [Record(1, k, 0, "across_ranks", f"micro_norm/{n}/{s}", 0.5) for n in names for s in STATISTICS]
+    records += [Record(1, None, 0, "across_ranks", f"device_loss/{s}", 2.0) for s in STATISTICS]
+    records += [Record(1, None, 0, "across_ranks", f"accumulated_norm/{n}/{s}", 1.0) for n in names
+                for s in STATISTICS]
+    return names, records
+
+
+@pytest.mark.parametrize("detail,count", [("layer", 3 * 35 + 2 * 5), ("parameter", 291 * 3 + 291 * 10 + 2 * 5)])
+def test_a_7b_sized_models_norm_tags(tmp_path, detail, count):
+    """docs/outputs.md's count for 291 tensors: 35 groups (32 layers and 3 tensors of their own), 3 norm
+    kinds each, and the loss spread; every parameter's curve and cross-rank columns with `detail: parameter`."""
+    from mindmon.engine import RunInfo
+    from mindmon.sinks.tensorboard import TensorBoardSink
+
+    names, records = seven_b_step()
+    assert len(names) == 291
+    sink = TensorBoardSink(str(tmp_path), detail=detail, vs_samples=False)
+    sink.open(RunInfo(rank=0, global_batch_size=8, micro_steps_per_step=2))
+    sink.write(records)
+    sink.close()
+    tags = scalars(tmp_path / "rank_0")
+    assert len(tags) == count
+    if detail == "layer":   # 9 tensors of norm 1: the layer's norm is 3; of increments 0.5 each: 1.5 then 1.5
+        assert tags["device_norm/model.layers.31"] == {1: 3.0}
+        assert tags["local_norm/model.layers.0"] == {0: 1.5, 1: 1.5}
+        assert tags["micro_norm/lm_head.weight"] == {0: 0.5, 1: 0.5}
