@@ -15,7 +15,7 @@ BIN_MS27 := $(VENV_MS27)/bin
 VENV_MS210 ?= .venv-ms210
 BIN_MS210 := $(VENV_MS210)/bin
 
-.PHONY: install demo services test install-ms27 test-ms27 install-ms210 test-ms210 clean
+.PHONY: install demo services install-msprobe test install-ms27 test-ms27 install-ms210 test-ms210 clean
 
 install:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,15 @@ demo: install
 services:
 	@bash tools/test_services.sh
 
-test: install services
-	$(BIN)/python -m pytest -q -m "not mindnlp and not mindformers2" tests
+# msprobe itself (mindstudio-probe 26.2.0 beside MindSpore 2.9.0), apart from mindmon's environment: the tests
+# that compare mindmon's files with msprobe's run it in a subprocess (MSPROBE_V2_PYTHON).
+VENV_MSPROBE ?= .venv-msprobe
+install-msprobe:
+	@test -x $(VENV_MSPROBE)/bin/python || $(PYTHON) -m venv $(VENV_MSPROBE)
+	$(VENV_MSPROBE)/bin/python -m pip install -q "mindspore==2.9.0" "mindstudio-probe==26.2.0" "numpy==1.26.4"
+
+test: install services install-msprobe
+	MSPROBE_V2_PYTHON=$(abspath $(VENV_MSPROBE))/bin/python $(BIN)/python -m pytest -q -m "not mindnlp and not mindformers2" tests
 
 install-ms27:
 	@test -x $(BIN_MS27)/python || $(PYTHON) -m venv $(VENV_MS27)
@@ -65,4 +72,4 @@ test-ms210: install-ms210
 	$(BIN_MS210)/python -m pytest -q -m "mindformers2" tests
 
 clean:
-	rm -rf $(VENV) $(VENV_MS27) $(VENV_MS210) build mindmon.egg-info output
+	rm -rf $(VENV) $(VENV_MS27) $(VENV_MS210) $(VENV_MSPROBE) build mindmon.egg-info output

@@ -128,16 +128,38 @@ def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = ()
             feature.build(result, section)
             feature_sinks += result.sinks
     result.sinks = (_own_outputs(result) if outputs is None else list(outputs)) + feature_sinks
-    result.sinks += _peer_watchdog(result.logger)
+    result.sinks += _peer_watchdog(result)
     return result
 
 
-def _peer_watchdog(logger) -> List[Sink]:
-    """On a run of several ranks, the thread that names the ranks lost mid-run (mindmon.parallel.watchdog)."""
+def _peer_watchdog(built: Build) -> List[Sink]:
+    """On a run of several ranks, the thread that names the ranks lost mid-run and, on rank 0, declares a hang
+    (mindmon.parallel.watchdog): `monitor.speed.hang_after` when set, the ranks' stacks in the run's folder."""
     from mindmon.parallel.watchdog import peer_watchdog
 
-    watchdog = peer_watchdog(logger)
+    speed = built.config.monitor.sections.get("speed")
+    watchdog = peer_watchdog(built.logger, speed.hang_after if speed is not None else None,
+                             built.config.monitor.output_dir, _hang_reporter(built))
     return [watchdog] if watchdog is not None else []
+
+
+def _hang_reporter(built: Build):
+    """What rank 0's watchdog does with a hang, on its own thread (the training thread is the one stuck): a
+    `hang` record appended to the JSONL at once, and the event to the alert recipients."""
+    from mindmon.records import HANG, Record
+    from mindmon.sinks.jsonl import JsonlSink
+
+    def report(hang) -> None:
+        odd = ", ".join(f"rank {r} in {hang.places[r].phase} of step {hang.places[r].step}" for r in hang.odd)
+        name = odd or f"all ranks in {hang.majority[1]} of step {hang.majority[0]}"
+        record = Record(hang.step, None, built.rank, HANG, name, float(hang.stalled))
+        for sink in built.sinks:
+            if isinstance(sink, JsonlSink):
+                sink.write_now([record])
+        alert = built.parts.get("alert")
+        if alert is not None:
+            alert.hang(hang)
+    return report
 
 
 def build_group(config: MindmonConfig, model=None, parameter_names: Sequence[str] = (), rank: Optional[int] = None,

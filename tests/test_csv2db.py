@@ -17,7 +17,7 @@ from msprobe_reference import K, NAMES, STEPS, msprobe_loop
 from mindmon.msprobe import TrainerMon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MSPROBE_PYTHON = os.environ.get("MSPROBE_V2_PYTHON", "/tmp/venv-msprobe/bin/python")
+MSPROBE_PYTHON = os.environ.get("MSPROBE_V2_PYTHON", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-msprobe", "bin", "python"))
 needs_msprobe = pytest.mark.skipif(not os.path.exists(MSPROBE_PYTHON), reason=f"msprobe 26.2.0's venv "
                                    f"{MSPROBE_PYTHON} not built (python3 -m venv; pip install mindspore==2.9.0 "
                                    f"mindstudio-probe==26.2.0)")

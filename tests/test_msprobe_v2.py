@@ -15,7 +15,7 @@ from msprobe_reference import (BETA1_F32, BETA2_F32, K, LR, NAMES, STEPS, batche
 from mindmon.config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MSPROBE_PYTHON = os.environ.get("MSPROBE_V2_PYTHON", "/tmp/venv-msprobe/bin/python")
+MSPROBE_PYTHON = os.environ.get("MSPROBE_V2_PYTHON", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-msprobe", "bin", "python"))
 OPS = ["min", "max", "mean", "nans"]
 
 
@@ -157,7 +157,7 @@ def test_every_value_equals_numpy(mindmon_run):
 
 
 @pytest.mark.skipif(not os.path.exists(MSPROBE_PYTHON), reason=f"msprobe 26.2.0's venv {MSPROBE_PYTHON} not built "
-                    "(python3 -m venv /tmp/venv-msprobe; pip install mindspore==2.9.0 mindstudio-probe==26.2.0)")
+                    "(make install-msprobe builds it)")
 def test_same_files_as_msprobe_where_msprobe_works(tmp_path, mindmon_run):
     """msprobe 26.2.0 on the same run (its config without `norm`/`zeros`, which it cannot take on CPU):
     the files' names and, for each row msprobe writes, the same values; mindmon's extra columns and rows
