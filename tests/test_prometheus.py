@@ -78,7 +78,7 @@ def test_prometheus_scrapes_the_run(tmp_path):
         labels, loss = _one(server, 'mindmon_value{tag="lm_loss"}')
         assert loss == pytest.approx(last["lm_loss"], rel=1e-6)
         assert loss == pytest.approx(numpy_losses(STEPS)[-1], rel=1e-5)
-        assert (labels["rank"], labels["host"], labels["device"]) == ("0", socket.gethostname(), "0")
+        assert (labels["rank"], labels["host"], labels["device"], labels["id"]) == ("0", socket.gethostname(), "0", "0")
         assert _one(server, 'mindmon_value{tag="grad-norm"}')[1] == pytest.approx(last["grad-norm"], rel=1e-6)
         step_time = next(r["value"] for r in jsonl if r["kind"] == "step_time" and r["name"] == "step")
         assert _one(server, 'mindmon_step_time_seconds{phase="step"}')[1] == pytest.approx(step_time, rel=1e-9)

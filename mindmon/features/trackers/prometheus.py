@@ -2,8 +2,8 @@
 prometheus_client's server on its own thread. The training thread only swaps in the step's snapshot (a dict
 made from its records); the series are built from it when Prometheus scrapes.
 
-Series (every one labelled `rank`, `host`, `device` like MindCluster NPU Exporter's `id`, so a dashboard
-joins them on host and device; docs/trackers.md):
+Series (every one labelled `rank`, `host`, `device`, and `id`: the device again, under the label MindCluster
+NPU Exporter gives it, so a dashboard joins the two on the device; docs/trackers.md):
     mindmon_value{tag}                      every step-level value under its TensorBoard tag
     mindmon_step                            the latest step
     mindmon_last_step_timestamp_seconds     Unix time when the latest step's records arrived
@@ -103,7 +103,7 @@ class _Collector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        base, values = ["rank", "host", "device"], self.sink.labels
+        base, values = ["rank", "host", "device", "id"], self.sink.labels + (self.sink.labels[2],)
         latest = self.sink.latest
 
         def family(name, text, extra=(), rows=()):
@@ -127,9 +127,10 @@ class _Collector:
                          ["metric", "statistic"], latest["across_ranks"].items())
         counts = self.sink.anomalies.counts()
         anomalies = GaugeMetricFamily("mindmon_anomalies", "Anomalies found so far, by alert rule and rank",
-                                      labels=["host", "device", "rule", "rank"])
+                                      labels=["host", "device", "id", "rule", "rank"])
+        host, device = self.sink.labels[1], self.sink.labels[2]
         for (rank, rule), n in sorted(counts.items()):
-            anomalies.add_metric([self.sink.labels[1], self.sink.labels[2], rule, rank], n)
+            anomalies.add_metric([host, device, device, rule, rank], n)
         yield anomalies
 
 
