@@ -133,6 +133,15 @@ def test_each_template_posts_its_documented_body_with_its_signature(tmp_path):
     assert generic["headers"]["Idempotency-Key"] == hashlib.sha256(keys.encode()).hexdigest()[:32]
     assert generic["headers"]["Content-Type"].startswith("application/json")
 
+    # a lone event is named in the title
+    (generic_inform,) = AlertConfig.parse("monitor.alert", alert_section(informs(receiver.base)[0])).inform
+    receiver.start()
+    try:
+        build_recipient(generic_inform).deliver([item for item in items if item.anomaly.is_event])
+    finally:
+        receiver.stop()
+    assert receiver.bodies("/generic")[-1]["title"] == "mindmon: run crashed on rank 0, step 2"
+
     # slack: {"text": ...} with &, <, > as entities
     (slack,) = receiver.bodies("/slack")
     assert set(slack) == {"text"}
