@@ -21,7 +21,6 @@ from mindmon.features.alerts import AlertConfig, AlertSink
 from mindmon.features.alerts.anomaly import KeyedAnomaly
 from mindmon.features.alerts.recipients import build_recipient
 from mindmon.records import Record
-from servers import free_port
 from webhook_receiver import Receiver
 
 FEISHU_SECRET, DINGTALK_SECRET = "fs-s3cret-Kq9", "SECdt-s3cret-77"
