@@ -158,8 +158,9 @@ def test_mlflow_gets_metrics_params_and_artifacts(mlflow_server, tmp_path):
     from mlflow import MlflowClient
 
     output = tmp_path / "out"
+    # close_timeout: the report is made at close, slow on a busy machine
     group = train(output, {"mlflow": {"tracking_uri": mlflow_server.uri, "experiment": "values",
-                                      "run_name": "plain-loop"}}, steps=4, alert=True)
+                                      "run_name": "plain-loop", "close_timeout": 150}}, steps=4, alert=True)
     group.close()
     client = MlflowClient(mlflow_server.uri)
     run = _mlflow_run(client, "values")

@@ -83,8 +83,8 @@ class TrackerSink(Sink):
         self._put(_CLOSE)
         self._thread.join(self.close_timeout)
         if self._thread.is_alive():
-            self.logger.error("mindmon: %s did not finish within %.0f s (close_timeout); %d queued step(s) not "
-                              "delivered, left to it", self.NAME, self.close_timeout, self._queue.qsize())
+            self.logger.error("mindmon: %s did not finish within %.0f s (close_timeout); %d queued step(s) and its "
+                              "closing calls are left to it", self.NAME, self.close_timeout, self._queue.qsize())
             return
         self._raise_failure()
 
