@@ -3,6 +3,7 @@
 Figures, per rank, for what the run recorded: loss per micro-batch and per step (with the loss
 components, the steps whose update was skipped, grad norm and learning rate), a gradient-norm heat
 map (parameter groups x steps), a tokens-per-expert heat map per MoE layer with an imbalance table, and the max attention logit per layer and per head.
+A run with monitor.speed's records gets a speed section before the per-rank ones (mindmon.analysis.speed_report).
 Works on a run still in progress (it plots the steps written so far).
 
 Example:
@@ -371,6 +372,7 @@ def write_report(run_dir: str, output: str, progress=sys.stderr, ranks: Optional
     (default: every rank of a run of at most RANK_SECTIONS ranks, none of a larger one)."""
     from mindmon.analysis.across_ranks import across_ranks_section
     from mindmon.analysis.live_summaries import live_summaries_section
+    from mindmon.analysis.speed_report import speed_section
 
     with Engine(run_dir, memory_limit, source=source) as engine:
         every = engine.ranks()
@@ -379,7 +381,8 @@ def write_report(run_dir: str, output: str, progress=sys.stderr, ranks: Optional
             raise ValueError(f"--rank: got {missing}; allowed: the run's ranks, {every[0]}..{every[-1]}")
         chosen = list(ranks) if ranks else (every if len(every) <= RANK_SECTIONS else [])
         sections = [across_ranks_section(engine, progress, _png, _figure)] if len(every) > 1 else []
-        sections += [s for s in [live_summaries_section(engine, progress, _png, _figure)] if s is not None]
+        sections += [s for s in [live_summaries_section(engine, progress, _png, _figure),
+                                 speed_section(engine, progress, _png, _figure)] if s is not None]
         sections += [rank_section(engine, rank, progress) for rank in chosen]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mindmon report</title>"
             f"<style>{_STYLE}</style></head><body><h1>mindmon report</h1>"
