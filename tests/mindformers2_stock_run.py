@@ -1,5 +1,6 @@
 """Stock MindFormers 2.0.0 training, without mindmon (MINDMON_AUTOLOAD=0): the demo model and data of the
-tests, the config given as JSON in argv[1]. Its log (LOG_MF_PATH) is what tests/test_mindformers2.py compares
+tests, the config given as JSON in argv[1]; with `--mindmon-max-logits`, mindmon's MaxLogitsMonitor is passed to
+the Trainer as a plain MindFormers callback. Its log (LOG_MF_PATH) is what tests/test_mindformers2.py compares
 with mindmon's numbers.
 
 What differs from a run on an accelerator, and why (docs/testing.md): the fused gradient norm stacks the
@@ -21,6 +22,7 @@ ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=
 
 from conftest import SMALL_MODEL, make_data  # noqa: E402
 from mindmon.demo.model import DemoModelConfig, DemoMoEGPT  # noqa: E402
+from mindmon.features.max_logits.callback import MaxLogitsMonitor  # noqa: E402
 
 
 class LossOfShapeOne(DemoMoEGPT):
@@ -44,7 +46,9 @@ def main():
     trainer_utils._compute_grad_norm_sq_fused = _sum_of_squares_one_by_one
     config = json.loads(sys.argv[1])
     model = LossOfShapeOne(DemoModelConfig.from_dict(SMALL_MODEL))
-    Trainer(config=config, model=model, train_dataset=make_data(config)).train()
+    # mindmon's MaxLogitsMonitor standing alone as a MindFormers callback, next to MindFormers' own from the YAML
+    callbacks = [MaxLogitsMonitor(step_interval=1)] if "--mindmon-max-logits" in sys.argv else None
+    Trainer(config=config, model=model, train_dataset=make_data(config), callbacks=callbacks).train()
     print("stock run done")
 
 

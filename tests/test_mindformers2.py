@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import mindformers_log, make_data, make_model, read_jsonl, trainer_config
-from test_max_logits import (_capture_reference, test_interval_prints_every_third_step_and_resets_every_step,  # noqa: F401
-                             test_values_equal_numpy_every_step)
-from test_moe_tokens import test_every_micro_step_equals_router_count, test_step_summaries  # noqa: F401
+from test_max_logits import _capture_reference, test_values_equal_numpy_every_step  # noqa: F401
+from test_moe_tokens import test_every_micro_step_equals_router_count  # noqa: F401
 from test_train_state import (K, _reference_step1, run, test_batch_sizes_that_do_not_divide_are_rejected,  # noqa: F401
                               test_every_step_is_complete_and_consistent, test_filter_matching_nothing_fails_before_training,
                               test_filters_select_exactly, test_only_device_norm_still_collects,
@@ -80,10 +79,10 @@ def _stock_config(config):
     return stock
 
 
-def _stock_run(tmp_path, config):
+def _stock_run(tmp_path, config, *options):
     env = {k: v for k, v in os.environ.items() if k not in ("LOG_MF_PATH",)}
     env.update(MINDMON_AUTOLOAD="0", LOG_MF_PATH=str(tmp_path / "stock_log"))
-    result = subprocess.run([sys.executable, str(TESTS / "mindformers2_stock_run.py"), json.dumps(_stock_config(config))],
+    result = subprocess.run([sys.executable, str(TESTS / "mindformers2_stock_run.py"), json.dumps(_stock_config(config)), *options],
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0 and "stock run done" in result.stdout, result.stderr[-3000:]
     return (tmp_path / "stock_log" / "rank_0" / "info.log").read_text()
@@ -97,13 +96,13 @@ def _loss_lines(log):
 
 @pytest.fixture(scope="module")
 def side_by_side(tmp_path_factory):
-    """Three steps, clipping out of reach in both (stock's in-place clip does not act on CPU, see below)."""
+    """Two steps, clipping out of reach in both (stock's in-place clip does not act on CPU, see below)."""
     out = tmp_path_factory.mktemp("side_by_side")
-    config = trainer_config(out, steps=3, monitor={"train_state": ALL_TRAIN_STATE,
+    config = trainer_config(out, steps=2, monitor={"train_state": ALL_TRAIN_STATE,
                                                    "moe_monitor": {"save_tokens_per_expert_interval": 1}},
                             callbacks=[{"type": "MaxLogitsMonitor", "step_interval": 1}])
     config["training"]["max_norm"] = 1e6
-    stock_log = _stock_run(out, config)
+    stock_log = _stock_run(out, config, "--mindmon-max-logits")
     log_before = len(mindformers_log())
     from mindformers.pynative.trainer import Trainer
 
@@ -114,7 +113,7 @@ def side_by_side(tmp_path_factory):
 def test_same_losses_and_grad_norms_as_stock(side_by_side):
     _, stock_log, mindmon_log, _ = side_by_side
     stock, mindmon = _loss_lines(stock_log), _loss_lines(mindmon_log)
-    assert [s for s, _, _ in stock] == [1, 2, 3] and len(mindmon) == 3
+    assert [s for s, _, _ in stock] == [1, 2] and len(mindmon) == 2
     for (step, loss, norm), (_, our_loss, our_norm) in zip(stock, mindmon):
         assert our_loss == pytest.approx(loss, abs=2e-6) and our_norm == pytest.approx(norm, abs=2e-6), step
 
@@ -153,22 +152,49 @@ def test_stock_norm_lines_are_not_json_and_mindmons_records_are(side_by_side):
         with pytest.raises(json.JSONDecodeError):
             json.loads(line)
     params = len(make_model().trainable_params())
-    assert len([r for r in records if r["kind"] == "local_norm"]) == 3 * K * params
+    assert len([r for r in records if r["kind"] == "local_norm"]) == 2 * K * params
 
 
 def test_stock_moe_monitor_prints_nothing_and_mindmons_prints_every_micro_step(side_by_side):
     _, stock_log, mindmon_log, _ = side_by_side
     assert '{"iter"' not in stock_log
     lines = [json.loads(line[line.index('{"iter"'):]) for line in mindmon_log.splitlines() if '{"iter"' in line]
-    assert sorted((l["iter"], l["block"]) for l in lines) == sorted((i, b) for i in range(3 * K) for b in ("decoder", "mtp"))
+    assert sorted((l["iter"], l["block"]) for l in lines) == sorted((i, b) for i in range(2 * K) for b in ("decoder", "mtp"))
 
 
-def test_stock_max_logits_of_a_passed_in_model_are_minus_inf(side_by_side):
-    _, stock_log, mindmon_log, records = side_by_side
-    assert "max_attention_logit/max: -inf" in stock_log
-    assert not re.search(r"max_attention_logit/max: (?!-inf)", stock_log)
-    ours = [r["value"] for r in records if r["kind"] == "max_attention_logit_max"]
-    assert len(ours) == 3 and all(np.isfinite(ours)) and "max_attention_logit/max: -inf" not in mindmon_log
+def _max_logits_step1(config):
+    """numpy's per-head max of QK^T/sqrt(d) over step 1's micro-batches, from forward hooks on a fresh copy."""
+    from mindspore import Tensor
+
+    model, counter = make_model(), type("Step", (), {"step": 1})()
+    reference = _capture_reference(model, counter)
+    batch = next(make_data(config).create_dict_iterator(output_numpy=True))
+    local = config["training"]["local_batch_size"]
+    for k in range(K):
+        rows = slice(k * local, (k + 1) * local)
+        model(Tensor(batch["input_ids"][rows]), Tensor(batch["labels"][rows]))
+    return {name: heads for (_, name), heads in reference.items()}
+
+
+def _logged_heads(log, source, step):
+    pattern = re.compile(re.escape(source) + r".*step:\[\s*" + str(step) + r"/\s*\d+\] max_attention_logit/(\S+): \[(.*)\]")
+    return {m.group(1): [float(v) for v in m.group(2).split(", ")] for m in map(pattern.search, log.splitlines()) if m}
+
+
+def test_stock_max_logits_of_a_passed_in_model_are_minus_inf_and_mindmons_callback_alone_reads_them(side_by_side):
+    config, stock_log, mindmon_log, records = side_by_side
+    reference = _max_logits_step1(config)
+    stock = _logged_heads(stock_log, "callback/max_logits_monitor.py", step=1)
+    assert set(stock) == set(reference) and all(v == [-np.inf] * 2 for v in stock.values())
+    # mindmon's callback in the same stock process (no mindmon run), in MindFormers' log
+    alone = _logged_heads(stock_log, "features/max_logits/callback.py", step=1)
+    assert set(alone) == set(reference)
+    for name, heads in alone.items():
+        np.testing.assert_allclose(heads, reference[name], rtol=5e-4)
+    ours = {r["name"]: r["value"] for r in records if r["kind"] == "max_attention_logit" and r["step"] == 1}
+    for name, heads in ours.items():
+        np.testing.assert_allclose(heads, reference[name], rtol=1e-5, atol=1e-6)
+    assert "max_attention_logit/max: -inf" not in mindmon_log
 
 
 def test_stock_clipping_leaves_the_gradients_as_they_were_on_cpu():

@@ -82,7 +82,6 @@ def _register_callbacks() -> None:
                                     alias="MaxLogitsMonitor")
     MindFormerRegister.register_cls(MaxLogitsReset, module_type=MindFormerModuleType.CALLBACK,
                                     alias="MaxLogitsReset")
-    MaxLogitsMonitor.default_logger = _mindformers_logger()   # standing alone, it logs where MindFormers does
 
 
 def check_callback_types(config: MindmonConfig) -> None:

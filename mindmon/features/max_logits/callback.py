@@ -1,6 +1,7 @@
 """MaxLogitsMonitor: the `callbacks:` entry that asks for the max attention logit per layer and head, and a
 MindFormers trainer callback that does the job itself when no mindmon run takes it over."""
 import logging
+import sys
 from typing import Dict, List, Optional
 
 from mindmon.features.max_logits.config import check_enable_logging, check_step_interval
@@ -41,9 +42,8 @@ class MaxLogitsMonitor(TrainerCallback):
         callback.on_step_end(None, state, model=model)   # state: global_step, max_steps
     """
 
-    default_logger = logging.getLogger("mindmon")   # the MindFormers integration makes it MindFormers' logger
-
-    def __init__(self, step_interval: int = 1, enable_logging: bool = True, logger: Optional[logging.Logger] = None):
+    def __init__(self, step_interval: int = 1, enable_logging: bool = True,
+                 logger: Optional[logging.Logger] = None):
         self.step_interval = check_step_interval(step_interval)
         self.enable_logging = check_enable_logging(enable_logging)
         self.logger = logger
@@ -89,7 +89,12 @@ class MaxLogitsMonitor(TrainerCallback):
             logger.info(f"{step_prefix(records[0].step, max_steps)}{MAX_ATTENTION_LOGIT}/{QK_CLIP_HEADS}: {heads}")
 
     def _logger(self) -> logging.Logger:
-        return self.logger or type(self).default_logger
+        """`logger`, else MindFormers' own when its Trainer has loaded it (never imported from here: the
+        core imports no MindFormers), else the "mindmon" logger."""
+        if self.logger is not None:
+            return self.logger
+        mindformers_logging = sys.modules.get("mindformers.tools.logger")
+        return getattr(mindformers_logging, "logger", None) or logging.getLogger("mindmon")
 
 
 class MaxLogitsReset(MaxLogitsMonitor):
