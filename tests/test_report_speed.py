@@ -103,11 +103,12 @@ def test_a_real_runs_speed_section(tmp_path, rng):
 RANKS, STEPS = 4, 40
 MANY = 96   # ranks of the larger run: more than the step-time table lists
 SLOW = [(9, 3, 1.61), (5, 2, 1.25), (9, 2, 1.4), (30, 1, 2.5)]   # (step, rank, ratio), not in order
+HANGS = [(33, "rank 2 in reduce of step 33", 41.5), (12, "all ranks in forward_backward of step 12", 30.25)]
 
 
 def write_ranks(run_dir, rng, ranks=RANKS, steps=STEPS, phases=True, sink_type=JsonlSink):
     """Each rank's records through mindmon's sink (JsonlSink unless told): phases drawn here (the step their sum), throughput, memory,
-    per-micro-batch times; rank 0 also the slow ranks and a cross-rank summary. The last rank stops one
+    per-micro-batch times; rank 0 also the slow ranks, hangs and a cross-rank summary. The last rank stops one
     step short (a run in progress). Returns times[rank, step - 1] (NaN where no record)."""
     times = np.full((ranks, steps), np.nan)
     for rank in range(ranks):
@@ -124,6 +125,7 @@ def write_ranks(run_dir, rng, ranks=RANKS, steps=STEPS, phases=True, sink_type=J
                             Record(step, None, rank, "memory", "peak_rss", float(rng.integers(1, 9) * 2 ** 28))]
             if rank == 0:
                 records += [Record(s, None, 0, "slow_rank", f"rank {r}", v) for s, r, v in SLOW if s == step]
+                records += [Record(s, None, 0, "hang", where, v) for s, where, v in HANGS if s == step]
                 records.append(Record(step, None, 0, "across_ranks", "step_time/step/max", 9.0))
         sink.write(records)   # the steps in one go: what is on disk is the same lines
         sink.flush()
@@ -155,6 +157,8 @@ def test_several_ranks_tables_and_heat_map_equal_numpy(tmp_path, rng):
     assert [(int(s), int(r)) for s, r, _ in got] == sorted((s, r) for s, r, _ in SLOW)
     np.testing.assert_allclose([float(v) for *_, v in got], [v for _, _, v in sorted(SLOW)], rtol=5e-4)
     assert "4 slow-rank record(s)." in section
+    got = table_after(section, "Hangs")
+    assert [(int(s), where, float(v)) for s, where, v in got] == sorted(HANGS)
 
     with Engine(str(tmp_path), progress=None) as engine:
         ranks, span, matrix = step_time_heat(engine)

@@ -8,7 +8,8 @@ DuckDB (mindmon.analysis.sql) so that 1,024 ranks x tens of thousands of steps c
 - a heat map ranks x steps of each rank's own `step_time/step`; a run longer than HEAT_COLUMNS steps is
   drawn in buckets of steps, each cell the mean of the bucket's steps;
 - per rank its step time (median, mean, max; the slowest RANK_ROWS by median in a larger run), the
-  slow-rank records rank 0 wrote (step, rank, ratio to the median), and the hangs.
+  slow-rank records rank 0 wrote (step, rank, ratio to the median), and the hangs its watchdog declared
+  (step, where the ranks were, seconds without progress).
 """
 import html
 from typing import Dict, List, Optional, Tuple
@@ -16,12 +17,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from mindmon.features.speed.monitor import PHASES
-from mindmon.records import MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT
+from mindmon.records import HANG, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT
 
 HEAT_COLUMNS = 600   # the heat map's columns: about the picture's width in pixels
 RANK_ROWS = 32       # ranks listed in the step-time table; a larger run lists its slowest
 EVENT_ROWS = 100     # slow-rank and hang records listed, each (the first ones, by step)
-HANG = "hang"        # the kind of a hang's record, when the run wrote any
 
 SERIES_KINDS = (STEP_TIME, THROUGHPUT, MFU, MEMORY)
 STEP_SQL = f"kind = '{STEP_TIME}' AND name = 'step' AND micro_step IS NULL"
@@ -79,8 +79,9 @@ Listed = Tuple[int, List[tuple]]   # how many records, and the first EVENT_ROWS 
 
 
 def events(engine, limit: int = EVENT_ROWS) -> Dict[str, Listed]:
-    """{kind: (count, first rows)} of the slow-rank records, as (step, rank, ratio), and the hang records,
-    as (step, rank, name, value), each by step and rank: one scan."""
+    """{kind: (count, first rows)} of the slow-rank records, as (step, rank, ratio), and the hang records
+    rank 0's watchdog wrote, as (step, where the ranks were, seconds no rank had progressed), each by step:
+    one scan."""
     rows = engine.execute(f"""
         SELECT kind, step, who, name, value, count(*) OVER (PARTITION BY kind) AS total FROM (
             SELECT kind, step, name, value,
@@ -90,7 +91,7 @@ def events(engine, limit: int = EVENT_ROWS) -> Dict[str, Listed]:
         ORDER BY kind, step, who, name""").fetchall()
     found: Dict[str, Listed] = {SLOW_RANK: (0, []), HANG: (0, [])}
     for kind, step, who, name, value, total in rows:
-        found[kind] = (total, found[kind][1] + [(step, who, value) if kind == SLOW_RANK else (step, who, name, value)])
+        found[kind] = (total, found[kind][1] + [(step, who, value) if kind == SLOW_RANK else (step, name, value)])
     return found
 
 
@@ -223,7 +224,7 @@ def slow_rank_table(listed: Listed) -> str:
 def hang_table(listed: Listed) -> str:
     if not listed[0]:
         return "<p>No hang recorded.</p>"
-    return _listed(listed, HANG, ["step", "rank", "hang", "value"])
+    return _listed(listed, HANG, ["step", "where the ranks were", "seconds without progress"])
 
 
 def speed_section(engine, progress, png, figure) -> Optional[str]:
