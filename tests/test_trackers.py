@@ -173,7 +173,7 @@ def test_mlflow_gets_metrics_params_and_artifacts(mlflow_server, tmp_path):
     # speed's step time arrives under its TensorBoard tag, one value per step
     assert [m.step for m in client.get_metric_history(run.info.run_id, "step_time/step")] == [1, 2, 3, 4]
     params = run.data.params
-    assert params["monitor.train_state.device_norm"] == "weight" and params["monitor.output_dir"] == str(output)
+    assert params["monitor.train_state.device_norm"] == "['weight']" and params["monitor.output_dir"] == str(output)
     assert params["monitor.trackers.mlflow.run_name"] == "plain-loop"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert artifacts == {"report.html", "anomaly_detected"}
