@@ -6,7 +6,6 @@ import re
 import time
 
 import numpy as np
-import pytest
 from mindspore import Tensor, nn
 
 from conftest import read_jsonl
@@ -107,9 +106,10 @@ HANGS = [(33, "rank 2 in reduce of step 33", 41.5), (12, "all ranks in forward_b
 
 
 def write_ranks(run_dir, rng, ranks=RANKS, steps=STEPS, phases=True, sink_type=JsonlSink):
-    """Each rank's records through mindmon's sink (JsonlSink unless told): phases drawn here (the step their sum), throughput, memory,
-    per-micro-batch times; rank 0 also the slow ranks, hangs and a cross-rank summary. The last rank stops one
-    step short (a run in progress). Returns times[rank, step - 1] (NaN where no record)."""
+    """Each rank's records through mindmon's sink (JsonlSink unless told): phases drawn here (the step their
+    sum), throughput, memory, per-micro-batch times; rank 0 also the slow ranks, hangs and a cross-rank
+    summary. The last rank stops one step short (a run in progress). Returns times[rank, step - 1] (NaN where
+    no record)."""
     times = np.full((ranks, steps), np.nan)
     for rank in range(ranks):
         sink, records = sink_type(str(run_dir)), []

@@ -85,14 +85,16 @@ def events(engine, limit: int = EVENT_ROWS) -> Dict[str, Listed]:
     rows = engine.execute(f"""
         SELECT kind, step, who, name, value, count(*) OVER (PARTITION BY kind) AS total FROM (
             SELECT kind, step, name, value,
-                   CASE WHEN kind = '{SLOW_RANK}' THEN TRY_CAST(split_part(name, ' ', 2) AS INTEGER) ELSE rank END AS who
+                   CASE WHEN kind = '{SLOW_RANK}' THEN TRY_CAST(split_part(name, ' ', 2) AS INTEGER)
+                        ELSE rank END AS who
             FROM records WHERE kind IN ('{SLOW_RANK}', '{HANG}'))
         QUALIFY row_number() OVER (PARTITION BY kind ORDER BY step, who, name) <= {limit}
         ORDER BY kind, step, who, name""").fetchall()
-    found: Dict[str, Listed] = {SLOW_RANK: (0, []), HANG: (0, [])}
+    totals, listed = {SLOW_RANK: 0, HANG: 0}, {SLOW_RANK: [], HANG: []}
     for kind, step, who, name, value, total in rows:
-        found[kind] = (total, found[kind][1] + [(step, who, value) if kind == SLOW_RANK else (step, name, value)])
-    return found
+        totals[kind] = total
+        listed[kind].append((step, who, value) if kind == SLOW_RANK else (step, name, value))
+    return {kind: (totals[kind], listed[kind]) for kind in totals}
 
 
 def _band(ax, data: Dict[str, np.ndarray], label: str, color: str, scale: float = 1.0) -> None:
