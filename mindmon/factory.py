@@ -134,32 +134,46 @@ def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = ()
 
 def _peer_watchdog(built: Build) -> List[Sink]:
     """On a run of several ranks, the thread that names the ranks lost mid-run and, on rank 0, declares a hang
-    (mindmon.parallel.watchdog): `monitor.speed.hang_after` when set, the ranks' stacks in the run's folder."""
+    (mindmon.parallel.watchdog): `monitor.speed.hang_after` when set, the ranks' stacks in the run's folder.
+    What it finds goes, from its own thread (the training thread may be the one stuck), to the JSONL at once
+    and to the alert recipients."""
     from mindmon.parallel.watchdog import peer_watchdog
 
     speed = built.config.monitor.sections.get("speed")
     watchdog = peer_watchdog(built.logger, speed.hang_after if speed is not None else None,
-                             built.config.monitor.output_dir, _hang_reporter(built))
+                             built.config.monitor.output_dir, lambda hang: _report_hang(built, hang),
+                             lambda lost, line: _report_lost(built, lost, line))
     return [watchdog] if watchdog is not None else []
 
 
-def _hang_reporter(built: Build):
-    """What rank 0's watchdog does with a hang, on its own thread (the training thread is the one stuck): a
-    `hang` record appended to the JSONL at once, and the event to the alert recipients."""
-    from mindmon.records import HANG, Record
+def _write_now(built: Build, records) -> None:
     from mindmon.sinks.jsonl import JsonlSink
 
-    def report(hang) -> None:
-        odd = ", ".join(f"rank {r} in {hang.places[r].phase} of step {hang.places[r].step}" for r in hang.odd)
-        name = odd or f"all ranks in {hang.majority[1]} of step {hang.majority[0]}"
-        record = Record(hang.step, None, built.rank, HANG, name, float(hang.stalled))
-        for sink in built.sinks:
-            if isinstance(sink, JsonlSink):
-                sink.write_now([record])
-        alert = built.parts.get("alert")
-        if alert is not None:
-            alert.hang(hang)
-    return report
+    for sink in built.sinks:
+        if isinstance(sink, JsonlSink):
+            sink.write_now(records)
+
+
+def _report_hang(built: Build, hang) -> None:
+    from mindmon.records import HANG, Record
+
+    odd = ", ".join(f"rank {r} in {hang.places[r].phase} of step {hang.places[r].step}" for r in hang.odd)
+    name = odd or f"all ranks in {hang.majority[1]} of step {hang.majority[0]}"
+    _write_now(built, [Record(hang.step, None, built.rank, HANG, name, float(hang.stalled))])
+    alert = built.parts.get("alert")
+    if alert is not None:
+        alert.hang(hang)
+
+
+def _report_lost(built: Build, lost, line: str) -> None:
+    from mindmon.progress import PROGRESS
+    from mindmon.records import RANK_LOST, Record
+
+    step = PROGRESS.place.step
+    _write_now(built, [Record(step, None, built.rank, RANK_LOST, f"rank {r}", 1.0) for r in lost])
+    alert = built.parts.get("alert")
+    if alert is not None:
+        alert.rank_lost(lost, line, step=step)
 
 
 def build_group(config: MindmonConfig, model=None, parameter_names: Sequence[str] = (), rank: Optional[int] = None,

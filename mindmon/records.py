@@ -57,6 +57,7 @@ WALL_CLOCK = "wall_clock"          # name "step_end": Unix time in seconds when 
 ETA = "eta"                        # name "seconds": to the last step, at the mean step time so far
 MEMORY = "memory"                  # bytes: name peak_rss (the process, this step), device_peak_* (the device)
 SLOW_RANK = "slow_rank"            # name "rank <r>": its computing time / the median over the ranks (rank 0)
+RANK_LOST = "rank_lost"            # rank 0, name "rank <r>", value 1.0: the peer watchdog found it gone (step: rank 0's)
 HANG = "hang"                      # rank 0, name "<ranks> in <phase> of step <s>": seconds no rank had progressed
 FLOPS = "flops"                    # name "useful" (the model's work, for MFU) or "executed" (every matmul run)
 MFU = "mfu"                        # name "mfu" (useful / time / peak), "hfu" (executed), "peak_tflops" (the peak used)

@@ -63,18 +63,22 @@ def endpoint() -> Optional[Tuple[str, int]]:
 
 
 def peer_watchdog(logger, hang_after: Optional[float] = None, output_dir: Optional[str] = None,
-                  on_hang: Optional[Callable[["Hang"], None]] = None) -> Optional["PeerWatchdog"]:
+                  on_hang: Optional[Callable[["Hang"], None]] = None,
+                  on_lost: Optional[Callable[[List[int], str], None]] = None) -> Optional["PeerWatchdog"]:
     """This rank's watchdog: None on a run of one rank, or outside msrun. `hang_after`: seconds without
     progress on any rank that make a hang (None: HANG_STEPS median step times, at least HANG_FLOOR);
     `output_dir`: the run's output folder, each rank's stacks go to its `rank_<r>/` (None: to stderr);
-    `on_hang`: called on rank 0's watchdog thread with each hang it declares."""
+    `on_hang`: called on rank 0's watchdog thread with each hang it declares; `on_lost`: called on rank 0's
+    watchdog thread with the lost ranks and the line, when it names them."""
     from mindmon.distributed import DataParallel
 
     world, address = DataParallel(), endpoint()
     if not world.active or address is None:
         return None
-    return PeerWatchdog(world.rank, world.size, address, logger, hang_after=hang_after, output_dir=output_dir,
-                        on_hang=on_hang)
+    watchdog = PeerWatchdog(world.rank, world.size, address, logger, hang_after=hang_after, output_dir=output_dir,
+                            on_hang=on_hang)
+    watchdog.on_lost = on_lost
+    return watchdog
 
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
@@ -152,6 +156,7 @@ class PeerWatchdog(Sink):
         self.step = 0
         self.hangs: List[str] = []   # the hang lines this rank logged, in order
         self.verdict: Optional[str] = None   # the line logged, once
+        self.on_lost: Optional[Callable[[List[int], str], None]] = None   # rank 0: (lost ranks, line)
         self.goodbye = True   # whether the end tells the others (False: they name this rank lost)
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -362,7 +367,14 @@ class _Server:
         if self.first_loss is None:
             self.first_loss = now
         if now - self.first_loss >= SETTLE:
-            self.watchdog.announce(self.line(lost))
+            line = self.line(lost)
+            self.watchdog.announce(line)
+            if self.watchdog.on_lost is not None:
+                try:
+                    self.watchdog.on_lost(sorted(lost), line)
+                except Exception as error:   # a reporter's failure must not stop the watchdog
+                    self.watchdog.logger.error("mindmon: reporting the lost ranks failed (%s: %s)",
+                                               type(error).__name__, error)
 
     def _place(self, rank: int, place: Place, changed: float) -> None:
         """`changed`: when the rank entered the place, on rank 0's monotonic clock (from the place's age on

@@ -32,10 +32,19 @@ def build(build, section: AlertConfig) -> None:
         return
     pipeline = build.layout.groups.get("pp") if build.layout is not None else None
     sink, actions = build_alert_sink(section, build.config.monitor.output_dir, build.rank, build.logger,
-                                     build.data_parallel, path=section.path, pipeline=pipeline)
+                                     build.data_parallel, path=section.path, pipeline=pipeline,
+                                     monitored=_monitored(build.config))
     build.sinks.append(sink)
     build.parts["alert"] = sink   # the front doors and the watchdog report run events to it (AlertSink.report_event)
     build.add_actions(actions)
+
+
+def _monitored(config) -> list:
+    """The names of the capabilities the run's configuration switches on (the `started` event says them)."""
+    from mindmon.features import FEATURES, section_of
+
+    sections = [(feature.name, section_of(config, feature)) for feature in FEATURES]
+    return [name for name, section in sections if section is not None and getattr(section, "active", False)]
 
 
 FEATURE = Feature("alert", "monitor.alert", parse=_parse, build=build,

@@ -15,13 +15,14 @@ Run events (started, finished, crashed, rank_lost, hang, slow_rank) reach the re
 """
 import logging
 import os
+import sys
 import threading
 from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindmon.chunks import has_chunk, split_chunk
 from mindmon.engine import RunInfo, Sink
-from mindmon.records import Record, TensorStatsRecord
+from mindmon.records import SLOW_RANK, Record, TensorStatsRecord
 from mindmon.features.alerts.actions import AlertActions
 from mindmon.features.alerts.anomaly import Anomaly
 from mindmon.features.alerts.config import AlertConfig
@@ -51,8 +52,12 @@ class AlertSink(Sink):
                  logger: Optional[logging.Logger] = None, group_mates: Optional[Sequence[int]] = None,
                  pp_stage: int = 0, vpp_stage: int = 0, actions: Optional[AlertActions] = None,
                  statistic_of: Callable[[Record], Tuple[str, str]] = tag_and_statistic,
-                 path: str = "monitor.alert"):
+                 path: str = "monitor.alert", monitored: Sequence[str] = (), world_size: int = 1):
         self.config = config
+        self.monitored, self.world_size = list(monitored), world_size
+        self._previous_hook = None          # sys.excepthook before open() chained ours in front of it
+        self._told: set = set()             # the run's started / finished / crashed, once each
+        self._max_steps: Optional[int] = None
         self.rank = rank
         self.logger = logger or logging.getLogger("mindmon")
         self.group_mates = list(group_mates) if group_mates is not None else None
@@ -86,6 +91,22 @@ class AlertSink(Sink):
             if run.resumed:
                 self.dump.load_existing()
         self._start_delivery(run.resumed)
+        self._max_steps = run.max_steps
+        self._previous_hook, sys.excepthook = sys.excepthook, self._excepthook
+
+    def _wanted(self, kind: str) -> bool:
+        """A recipient is told of this run event (the sink says the run's own ones only then)."""
+        return any(kind in inform.events for inform in self.config.inform)
+
+    def _excepthook(self, kind, error, traceback) -> None:
+        """An exception nobody caught ends the run: the crash goes to the recipients (within their
+        close_timeout) before Python prints it."""
+        try:
+            if not self._closed and "crashed" not in self._told:
+                self.run_crashed(error)
+                self.close()
+        finally:
+            (self._previous_hook or sys.__excepthook__)(kind, error, traceback)
 
     def _start_delivery(self, resumed: bool = False) -> None:
         """The delivery threads, once the rank (the spool's folder) is known; a sink used without
@@ -110,8 +131,16 @@ class AlertSink(Sink):
                 found.append(self._anomaly(record, tag, statistic, x, verdict))
         if records:
             self._step = max(self._step, records[-1].step)
+            if self.rank == 0 and "started" not in self._told and self._wanted("started"):
+                self.run_started(self.monitored, world_size=self.world_size, max_steps=self._max_steps)
         if found:
             self._handle(found)
+        for record in records:   # rank 0's speed monitor names them (monitor.speed)
+            if record.kind == SLOW_RANK:
+                self.report_event("slow_rank", rank=int(record.name.split()[-1]), step=record.step, value=record.value,
+                                  message=f"rank {record.name.split()[-1]} computed {record.value:.2f}x the median "
+                                          f"before the gradient collective at step {record.step}",
+                                  details={"compute_over_median": round(float(record.value), 6)})
 
     def _series_of(self, record: Record) -> tuple:
         """Worked out once per (kind, name, micro-step): `statistic_of` depends on nothing else. A series is
@@ -170,17 +199,20 @@ class AlertSink(Sink):
                     max_steps: Optional[int] = None) -> Anomaly:
         """Once at the start (rank 0, or every rank: one row each): what is monitored (feature names),
         the parallel layout (e.g. "dp 2 x tp 2"), the hosts (this one when not given), the versions."""
+        self._told.add("started")
         details = lifecycle.started_details(monitored, layout, hosts, world_size, max_steps, self.output_dir)
         return self.report_event("started", value=details.get("world_size", 1), details=details)
 
     def run_finished(self, steps: Optional[int] = None, reason: str = "completed") -> Anomaly:
         """At the normal end, before `close` (which delivers it): the steps run and why it ended
         ("completed", "stopped on an anomaly", "max_steps reached", ...)."""
+        self._told.add("finished")
         step = self._step if steps is None else steps
         return self.report_event("finished", step=step, value=step, details={"steps": step, "reason": reason})
 
     def run_crashed(self, error: BaseException, step: Optional[int] = None) -> Anomaly:
         """From the front door's `except` around training, before `close`: the exception's last line."""
+        self._told.add("crashed")
         return self.report_event("crashed", step=step, details={"exception": lifecycle.exception_line(error),
                                                                 "type": type(error).__name__})
 
@@ -244,7 +276,17 @@ class AlertSink(Sink):
             self._dump_failed = True
 
     def close(self) -> None:
-        """Writes the dump, then waits (at most `close_timeout` each) for delivery and logs the counts."""
+        """The run's end (crashed when an exception is on its way: a `finally` or `except` around training;
+        else finished, told by rank 0), writes the dump, then waits (at most `close_timeout` each) for
+        delivery and logs the counts."""
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_hook or sys.__excepthook__
+        if not self._closed and not self._told & {"crashed", "finished"}:
+            error = sys.exc_info()[1]
+            if error is not None:
+                self.run_crashed(error)
+            elif self.rank == 0 and self._wanted("finished"):
+                self.run_finished()
         try:
             self.flush()
             if self.dump is not None and not self.dump.pending:
@@ -260,7 +302,8 @@ class AlertSink(Sink):
 
 
 def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger: Optional[logging.Logger] = None,
-                     data_parallel=None, path: str = "monitor.alert", pipeline=None) -> Tuple[AlertSink, AlertActions]:
+                     data_parallel=None, path: str = "monitor.alert", pipeline=None,
+                     monitored: Sequence[str] = ()) -> Tuple[AlertSink, AlertActions]:
     """The sink and the actions object for one rank, as a trainer wires them: `group_mates` are the
     data-parallel ranks, the actions agree over the same group. With `pipeline` (the pipeline group, a
     `DataParallel`; msprobe's `process_group`) the anomalies carry this rank's stage in it as `pp_stage`
@@ -274,8 +317,13 @@ def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger
     actions = AlertActions.from_config(config, data_parallel, logger)
     spelling = msprobe_tag_and_statistic if config.dialect == "msprobe" else tag_and_statistic
     return AlertSink(config, output_dir, rank, logger, group_mates=mates, pp_stage=pp_stage, actions=actions,
-                     statistic_of=spelling,
-                     path=path), actions
+                     statistic_of=spelling, path=path, monitored=monitored, world_size=_world_size()), actions
+
+
+def _world_size() -> int:
+    from mindmon.distributed import DataParallel
+
+    return DataParallel().size
 
 
 def delivery_note(sink: AlertSink, rows: int = 10) -> List[str]:
