@@ -1,5 +1,7 @@
 """An msrun worker for tests/test_hang.py: the demo model trained data-parallel by mindmon's own loop
-(AccumulatingTrainStep and group.flush), one rank of which stops moving, or moves slowly.
+(AccumulatingTrainStep and group.flush), one rank of which stops moving, or moves slowly. The group is
+the plain loop's (build_group): its peer watchdog, `monitor.speed.hang_after`, the JSONL and the alerts
+as every run has them.
 
     hang_worker.py OUTPUT_DIR STEPS MODE ODD_RANK FROM_STEP HANG_AFTER DATABASE_URL
 
@@ -19,8 +21,10 @@ K, LOCAL_BATCH = 2, 2
 SLOW = 5.0   # seconds, twice a step: each under the slow test's hang_after, their sum over it
 
 
-def config(output_dir: str, database_url: str) -> dict:
+def config(output_dir: str, hang_after, database_url: str) -> dict:
     monitor = {"output_dir": output_dir, "train_state": {"local_loss": True, "device_loss": True}}
+    if hang_after is not None:   # absent: the watchdog derives it from the step times
+        monitor["speed"] = {"hang_after": hang_after}
     if database_url != "none":   # a rule that never fires here (no NaN): only the hang reaches the table
         monitor["alert"] = {"rules": [{"rule_name": "AnomalyNan"}],
                             "inform": {"recipient": "database", "connection_str": database_url,
@@ -41,26 +45,6 @@ def write_slowly() -> None:
     time.sleep(SLOW)
 
 
-def monitored(config_dict, model, optimizer, output_dir: str, hang_after):
-    """The group, its peer watchdog given hang_after, the output folder for stacks and the alerts' sink
-    as the receiver of a hang."""
-    from mindmon import parse_sections
-    from mindmon.factory import build, group_of
-    from mindmon.features.alerts import AlertSink
-    from mindmon.parallel.watchdog import PeerWatchdog, peer_watchdog
-
-    built = build(parse_sections(config_dict), model=model, parameter_names=[p.name for p in optimizer.parameters])
-    alerts = [sink for sink in built.sinks if isinstance(sink, AlertSink)]
-
-    def on_hang(hang):
-        for sink in alerts:
-            sink.hang(hang)
-
-    watchdog = peer_watchdog(built.logger, hang_after, output_dir, on_hang)
-    built.sinks = [sink for sink in built.sinks if not isinstance(sink, PeerWatchdog)] + [watchdog]
-    return group_of(built)
-
-
 def main(output_dir: str, steps: int, mode: str, odd_rank: int, from_step: int, hang_after, database_url: str):
     import logging
 
@@ -69,7 +53,7 @@ def main(output_dir: str, steps: int, mode: str, odd_rank: int, from_step: int, 
     from mindspore.communication import get_rank, init
 
     from conftest import SMALL_MODEL, make_model
-    from mindmon import AccumulatingTrainStep, split_batch
+    from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
     from mindmon.demo.data import make_sequences
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
@@ -80,7 +64,8 @@ def main(output_dir: str, steps: int, mode: str, odd_rank: int, from_step: int, 
     model = make_model()
     model.set_train(True)
     optimizer = nn.SGD(model.trainable_params(), learning_rate=0.05)
-    group = monitored(config(output_dir, database_url), model, optimizer, output_dir, hang_after)
+    group = build_group(parse_sections(config(output_dir, hang_after, database_url)), model=model,
+                        parameter_names=[p.name for p in optimizer.parameters])
     now = {"step": 0, "forwards": 0}
     odd = rank == odd_rank
 
