@@ -7,7 +7,7 @@ from typing import List
 
 from mindmon.config import MindmonConfig, parse_config
 from mindmon.features import (across_ranks, alerts, loss_components, loss_scale, max_logits, moe_tokens,
-                              monitor_config, profiler, speed, tensor_stats, train_state)
+                              monitor_config, profiler, speed, tensor_stats, trackers, train_state)
 
 FEATURES = (
     train_state.FEATURE,
@@ -21,7 +21,7 @@ FEATURES = (
     profiler.FEATURE,
     across_ranks.FEATURE,   # after train_state and moe_monitor: it reads their sections and monitor
     speed.FEATURE,
-    __import__("mindmon.features.trackers", fromlist=["FEATURE"]).FEATURE,   # last: closes after the files it sends
+    trackers.FEATURE,   # last: closes after the files it sends
 )
 
 
