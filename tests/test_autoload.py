@@ -115,7 +115,7 @@ def test_explicit_enable_is_idempotent(tmp_path):
 def test_unsupported_version_is_a_clear_error():
     code = textwrap.dedent('''
         import mindformers
-        mindformers.__version__ = "2.1.0"
+        mindformers.__version__ = "3.0.0"
         import mindmon.integrations.mindformers as mm
         try:
             mm.enable()
@@ -124,5 +124,5 @@ def test_unsupported_version_is_a_clear_error():
     ''')
     env = dict(os.environ, MINDMON_AUTOLOAD="0")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert "ERROR: MindFormers 2.1.0 is not supported" in result.stdout
+    assert "ERROR: MindFormers 3.0.0 is not supported" in result.stdout
     assert "MINDMON_AUTOLOAD=0" in result.stdout

@@ -1,3 +1,4 @@
 from hyper_parallel._single_device import multi_device_function
 
 get_global_layout = multi_device_function("hyper_parallel.core.distributed_checkpoint.get_global_layout")
+get_current_layout = multi_device_function("hyper_parallel.core.distributed_checkpoint.get_current_layout")

@@ -1,0 +1,5 @@
+from hyper_parallel._single_device import multi_device_class
+
+AsyncDSAIndexerContextParallel = multi_device_class("hyper_parallel.AsyncDSAIndexerContextParallel")
+AsyncDSAIndexerLossContextParallel = multi_device_class("hyper_parallel.AsyncDSAIndexerLossContextParallel")
+AsyncDSASparseAttentionContextParallel = multi_device_class("hyper_parallel.AsyncDSASparseAttentionContextParallel")

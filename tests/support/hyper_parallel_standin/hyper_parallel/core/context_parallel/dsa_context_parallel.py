@@ -1,0 +1,6 @@
+from hyper_parallel._single_device import multi_device_class
+
+DSAIndexerContextParallel = multi_device_class("hyper_parallel.DSAIndexerContextParallel")
+DSAIndexerLossContextParallel = multi_device_class("hyper_parallel.DSAIndexerLossContextParallel")
+DSASequenceReplicateCache = multi_device_class("hyper_parallel.DSASequenceReplicateCache")
+DSASparseAttentionContextParallel = multi_device_class("hyper_parallel.DSASparseAttentionContextParallel")
