@@ -11,7 +11,7 @@ turned into mindmon's step.
        loop calls `self.monitor.setup(config, state)`, `.flush(step)` and `.close()` itself.
 """
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 from mindmon.step import AccumulatingTrainStep, split_batch
 
@@ -28,7 +28,8 @@ def run_step(trainer, micro_batches):
     """mindmon's step on the Trainer: K forward/backward passes, one update (mindmon.step), built at the
     first step from what `_attach` left on the trainer."""
     state = trainer._mindmon
-    if state.train_step is None:
+    # 2.1's dynamic batch changes K between steps; each micro-batch loss is scaled by the step's own 1/K
+    if state.train_step is None or state.train_step.num_micro_steps != trainer.num_accumulation_steps:
         state.train_step = AccumulatingTrainStep(
             lambda batch: trainer.compute_loss(trainer.model, batch), trainer.optimizer,
             trainer.num_accumulation_steps, group=state.group, max_norm=trainer.config.training.max_norm,
@@ -62,7 +63,6 @@ class TrainerVersion:
     prefix: str
     needed: Tuple[str, ...]         # the Trainer attributes mindmon patches or calls
     own_monitor: bool               # the Trainer builds a MonitorGroup of its own (`self.monitor`)
-    loop_flushes_monitor: bool      # its training loop calls monitor.setup/flush itself
     single_process_view: bool       # its constructor refuses several processes (mindmon runs them)
 
     @property
@@ -73,10 +73,9 @@ class TrainerVersion:
 _COMMON = ("__init__", "training_step", "compute_loss", "_inner_train_loop", "_create_callback_handler",
            "_compute_data_parallel_size")
 VERSIONS = (
-    TrainerVersion("1.9.", _COMMON, own_monitor=False, loop_flushes_monitor=False, single_process_view=True),
-    TrainerVersion("2.0.", _COMMON, own_monitor=True, loop_flushes_monitor=False, single_process_view=False),
-    TrainerVersion("2.1.", _COMMON + ("_next_batch",), own_monitor=True, loop_flushes_monitor=True,
-                   single_process_view=False),
+    TrainerVersion("1.9.", _COMMON, own_monitor=False, single_process_view=True),
+    TrainerVersion("2.0.", _COMMON, own_monitor=True, single_process_view=False),
+    TrainerVersion("2.1.", _COMMON + ("_next_batch",), own_monitor=True, single_process_view=False),
 )
 SUPPORTED_VERSIONS = tuple(v.prefix for v in VERSIONS)
 
