@@ -126,7 +126,8 @@ def test_profile_summary_totals_match_the_trace(fresh_run, capsys):
             total_us[event["name"]] += float(event["dur"])
     assert {name: c for name, (c, _) in rows.items()} == dict(calls)
     for name, (_, total_ms) in rows.items():
-        assert total_ms == pytest.approx(total_us[name] / 1000.0, abs=2e-3), name
+        # MindSpore's table gives each operator's total in ms to 2 decimals (seen: 2359.62 for 2359.624174)
+        assert total_ms == pytest.approx(total_us[name] / 1000.0, abs=5e-3), name
     totals = [total for _, total in rows.values()]
     assert totals == sorted(totals, reverse=True)
 
