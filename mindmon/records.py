@@ -59,9 +59,10 @@ MEMORY = "memory"                  # bytes: name peak_rss (the process, this ste
 SLOW_RANK = "slow_rank"            # name "rank <r>": its computing time / the median over the ranks (rank 0)
 RANK_LOST = "rank_lost"            # rank 0, name "rank <r>", value 1.0: the peer watchdog found it gone (step: rank 0's)
 HANG = "hang"                      # rank 0, name "<ranks> in <phase> of step <s>": seconds no rank had progressed
+THROUGHPUT_DROP = "throughput_drop"  # rank 0, name "samples_per_second": this step's / the median of the last 20
 FLOPS = "flops"                    # name "useful" (the model's work, for MFU) or "executed" (every matmul run)
 MFU = "mfu"                        # name "mfu" (useful / time / peak), "hfu" (executed), "peak_tflops" (the peak used)
-SPEED_KINDS = (STEP_TIME, THROUGHPUT, WALL_CLOCK, ETA, MEMORY, SLOW_RANK, FLOPS, MFU)
+SPEED_KINDS = (STEP_TIME, THROUGHPUT, WALL_CLOCK, ETA, MEMORY, SLOW_RANK, THROUGHPUT_DROP, FLOPS, MFU)
 
 
 @dataclass(frozen=True)

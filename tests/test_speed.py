@@ -208,3 +208,28 @@ def test_an_unknown_device_gives_no_mfu_and_says_so_once(tmp_path, rng, caplog):
     said = [r.getMessage() for r in caplog.records if "no MFU" in r.getMessage()]
     assert said == ["mindmon: no peak for device 'CPU' in mindmon's table (docs/flops.md); no MFU is reported. "
                     "Allowed: set monitor.speed.peak_tflops to the device's dense TFLOP/s for float32"]
+
+
+def test_a_throughput_drop_is_named_at_its_step_only(tmp_path, rng, caplog):
+    import logging
+
+    net = Regression()
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.01)
+    group = build_group(parse_sections({"monitor": {"output_dir": str(tmp_path), "speed": {
+        "enabled": True, "throughput_drop": 0.5}}}), parameter_names=[p.name for p in optimizer.parameters])
+    train_step = AccumulatingTrainStep(net, optimizer, num_micro_steps=K, group=group, max_norm=0.0)
+    group.setup(max_steps=9)
+    batch = _batches(rng)
+    with caplog.at_level(logging.INFO, logger="mindmon"):
+        for step in range(1, 10):
+            time.sleep(0.05 if step != 7 else 0.6)   # step 7 waits 12x longer for its data
+            train_step(split_batch(batch, K))
+            group.flush(step)
+    group.close()
+    records = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    rates = {r["step"]: r["value"] for r in records if (r["kind"], r["name"]) == ("throughput", "samples_per_second")}
+    drops = [(r["step"], r["value"]) for r in records if r["kind"] == "throughput_drop"]
+    assert [step for step, _ in drops] == [7]
+    assert drops[0][1] == pytest.approx(rates[7] / np.median([rates[s] for s in range(1, 7)]), rel=1e-12)
+    assert any(f"step:[    7/    9] throughput drop: samples/s at {drops[0][1]:.2f}x the median" in line
+               for r in caplog.records for line in r.getMessage().split("\n"))

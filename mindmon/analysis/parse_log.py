@@ -20,7 +20,7 @@ from typing import List, Optional
 from mindmon.engine import RunInfo
 from mindmon.formats import log_lines, megatron_tpe, training_state_log
 from mindmon.formats.layout import rank_in_path
-from mindmon.records import (SLOW_RANK, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+from mindmon.records import (SLOW_RANK, THROUGHPUT_DROP, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                        LOSS_COMPONENT_STEP, MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
 from mindmon.sinks.jsonl import JsonlSink
 
@@ -66,6 +66,7 @@ class LogParser:
                           (log_lines.LOSS_SCALE_LINE, self._loss_scale),
                           (log_lines.LOSS_COMPONENTS_LINE, self._loss_components),
                           (log_lines.SPEED_LINE, self._speed), (log_lines.SLOW_RANK_LINE, self._slow_rank),
+                          (log_lines.THROUGHPUT_DROP_LINE, self._throughput_drop),
                           (log_lines.TOKENS_PER_EXPERT_LINE, self._tokens_per_expert), (BATCH_LINE, self._batch))
 
     def feed(self, line: str) -> List[Record]:
@@ -157,6 +158,10 @@ class LogParser:
     def _speed(self, match) -> List[Record]:
         self._enter_step(int(match["step"]))
         return [self._record(kind, name, value) for kind, name, value in log_lines.read_speed_line(match)]
+
+    def _throughput_drop(self, match) -> List[Record]:
+        self._enter_step(int(match["step"]))
+        return [self._record(THROUGHPUT_DROP, "samples_per_second", float(match["ratio"]))]
 
     def _slow_rank(self, match) -> List[Record]:
         self._enter_step(int(match["step"]))

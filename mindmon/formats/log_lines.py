@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
                        LOSS_SCALE_KINDS,
                        MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SKIPPED_STEPS,
-                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, ETA, MEMORY, MFU, SLOW_RANK, SPEED_KINDS, STEP_TIME, THROUGHPUT,
+                       TOKENS_PER_EXPERT, UPDATE_SKIPPED, ETA, MEMORY, MFU, SLOW_RANK, SPEED_KINDS, STEP_TIME, THROUGHPUT, THROUGHPUT_DROP,
                        Record)
 from mindmon.formats.megatron_tpe import layer_fields
 
@@ -57,6 +57,8 @@ LOSS_SCALE_LINE = re.compile(r'\{ "step": (?P<step>\d+), (?:"loss_scale": (?P<sc
 LOSS_COMPONENTS_LINE = re.compile(r'\{ "step": (?P<step>\d+), "loss_components": (?P<parts>\{.*\}) \}\s*$')
 SPEED_LINE = re.compile(r"step:\[\s*(?P<step>\d+)/\s*(?:\d+|\?)\] step_time: (?P<step_ms>" + NUMBER
                         + r")ms \((?P<phases>[^)]*)\)(?P<rest>.*)$")
+THROUGHPUT_DROP_LINE = re.compile(r"step:\[\s*(?P<step>\d+)/\s*(?:\d+|\?)\] throughput drop: samples/s at "
+                                  r"(?P<ratio>" + NUMBER + r")x the median")
 SLOW_RANK_LINE = re.compile(r"step:\[\s*(?P<step>\d+)/\s*(?:\d+|\?)\] slow rank: (?P<name>rank \d+) computed "
                             r"(?P<ratio>" + NUMBER + r")x the median")
 # The loss-scale line's fields: record kind -> (field, the record's name).
@@ -162,6 +164,7 @@ def speed_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
             hfu: 52.73%, peak_rss: 1532.1MiB, eta: 0:00:05   (one line; mfu/hfu with monitor.speed.flops
             and a known peak)
         step:[    3/   10] slow rank: rank 2 computed 3.14x the median before the gradient collective
+        step:[    6/   10] throughput drop: samples/s at 0.31x the median of the steps before
     """
     times = {r.name: r.value for r in records if r.kind == STEP_TIME and r.micro_step is None}
     if "step" not in times:
@@ -182,8 +185,10 @@ def speed_lines(records: List[Record], max_steps: Optional[int]) -> List[str]:
     if (ETA, "seconds") in values:
         fields.append(f"eta: {datetime.timedelta(seconds=round(values[(ETA, 'seconds')]))}")
     lines = [prefix + ", ".join(fields)]
-    return lines + [f"{prefix}slow rank: {r.name} computed {r.value:.2f}x the median before the gradient collective"
-                    for r in records if r.kind == SLOW_RANK]
+    lines += [f"{prefix}slow rank: {r.name} computed {r.value:.2f}x the median before the gradient collective"
+              for r in records if r.kind == SLOW_RANK]
+    return lines + [f"{prefix}throughput drop: samples/s at {r.value:.2f}x the median of the steps before"
+                    for r in records if r.kind == THROUGHPUT_DROP]
 
 
 def read_speed_line(match) -> List[tuple]:

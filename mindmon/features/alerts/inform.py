@@ -26,7 +26,7 @@ WEBHOOK_KEYS = COMMON_KEYS + ("events", "url", "template", "secret", "batch_size
 RECIPIENTS = ("database", "email", "webhook")
 # The run events a recipient can be told of (mindmon.features.alerts.lifecycle), and those it is told
 # of when its `events` is absent: the ones that need someone's attention now.
-EVENT_KINDS = ("started", "finished", "crashed", "rank_lost", "hang", "slow_rank")
+EVENT_KINDS = ("started", "finished", "crashed", "rank_lost", "hang", "slow_rank", "throughput_drop")
 DEFAULT_EVENTS = ("crashed", "rank_lost", "hang")
 # template -> whether it signs with `secret`; the rest of each template is in mindmon.features.alerts.webhook
 WEBHOOK_TEMPLATES = {"generic": False, "slack": False, "feishu": True, "dingtalk": True, "wecom": False}

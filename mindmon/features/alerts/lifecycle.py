@@ -19,12 +19,12 @@ from typing import Any, Dict, List, Optional, Sequence
 from mindmon.features.alerts.inform import EVENT_KINDS
 
 TITLES = {"started": "run started", "finished": "run finished", "crashed": "run crashed",
-          "rank_lost": "rank lost", "hang": "hang", "slow_rank": "slow rank"}
+          "rank_lost": "rank lost", "hang": "hang", "slow_rank": "slow rank", "throughput_drop": "throughput drop"}
 # the statistic of an event's value: what the number in its row means
 STATISTICS = {"started": "ranks", "finished": "steps", "crashed": "step", "rank_lost": "ranks",
-              "hang": "seconds", "slow_rank": "seconds"}
+              "hang": "seconds", "slow_rank": "seconds", "throughput_drop": "ratio"}
 # events that say something went wrong are also written to anomaly.json; a start and an end are not anomalies
-DUMPED = ("crashed", "rank_lost", "hang", "slow_rank")
+DUMPED = ("crashed", "rank_lost", "hang", "slow_rank", "throughput_drop")
 VERSIONED = (("mindmon", "mindmon"), ("mindspore", "MindSpore"), ("mindformers", "MindFormers"))
 assert set(TITLES) == set(EVENT_KINDS)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindmon.chunks import has_chunk, split_chunk
 from mindmon.engine import RunInfo, Sink
-from mindmon.records import SLOW_RANK, Record, TensorStatsRecord
+from mindmon.records import SLOW_RANK, THROUGHPUT_DROP, Record, TensorStatsRecord
 from mindmon.features.alerts.actions import AlertActions
 from mindmon.features.alerts.anomaly import Anomaly
 from mindmon.features.alerts.config import AlertConfig
@@ -135,7 +135,11 @@ class AlertSink(Sink):
                 self.run_started(self.monitored, world_size=self.world_size, max_steps=self._max_steps)
         if found:
             self._handle(found)
-        for record in records:   # rank 0's speed monitor names them (monitor.speed)
+        for record in records:   # rank 0's speed monitor finds them (monitor.speed)
+            if record.kind == THROUGHPUT_DROP:
+                self.report_event("throughput_drop", step=record.step, value=record.value,
+                                  message=f"throughput at step {record.step} fell to {record.value:.2f}x the median of "
+                                          f"the steps before it", details={"over_median": round(float(record.value), 6)})
             if record.kind == SLOW_RANK:
                 self.report_event("slow_rank", rank=int(record.name.split()[-1]), step=record.step, value=record.value,
                                   message=f"rank {record.name.split()[-1]} computed {record.value:.2f}x the median "

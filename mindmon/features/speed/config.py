@@ -25,11 +25,15 @@ class SpeedConfig:
     """A rank is slow at a step when its computing time before the gradient collective exceeds this
     factor times the median over the ranks (the `slow_rank` record and alert rule)."""
 
+    throughput_drop: float = 0.5
+    """Rank 0 writes a `throughput_drop` record (and the alert event of that name) at a step whose samples per
+    second fall below this share of the median of the 20 steps before it."""
+
     hang_after: Optional[float] = None
     """Seconds with no rank making progress after which rank 0 declares a hang; unset: derived from the
     median step time (docs/multi-rank.md)."""
 
-    KEYS = ("enabled", "flops", "peak_tflops", "slow_rank_factor", "hang_after")
+    KEYS = ("enabled", "flops", "peak_tflops", "slow_rank_factor", "throughput_drop", "hang_after")
 
     @property
     def active(self) -> bool:
@@ -51,6 +55,12 @@ class SpeedConfig:
             if factor <= 1:
                 raise ConfigError(f"{path}.slow_rank_factor: got {factor}; allowed: a finite number > 1")
             out["slow_rank_factor"] = factor
+        if "throughput_drop" in section:
+            share = check_positive_number(f"{path}.throughput_drop", section["throughput_drop"],
+                                          "a share between 0 and 1")
+            if share >= 1:
+                raise ConfigError(f"{path}.throughput_drop: got {share}; allowed: a share between 0 and 1")
+            out["throughput_drop"] = share
         return cls(**out)
 
     def to_dict(self) -> dict:

@@ -22,6 +22,7 @@ whose computing time exceeds `slow_rank_factor` times the median: all-reduce mak
 equal, so the slow rank is the one that computed longest (and waited least inside the collective).
 """
 import time
+from collections import deque
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -31,8 +32,11 @@ from mindmon.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBe
                             UpdateDone)
 from mindmon.features.across_ranks.summaries import Column, summary_records
 from mindmon.features.speed.memory import MemoryPeaks
-from mindmon.records import ETA, FLOPS, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT, WALL_CLOCK, Record
+from mindmon.records import (ETA, FLOPS, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT, THROUGHPUT_DROP, WALL_CLOCK,
+                             Record)
 
+RECENT_STEPS = 20          # the steps a throughput is compared with
+MIN_STEPS_FOR_DROP = 3     # none is judged before this many steps were measured
 PHASES = ("data", "forward_backward", "reduce", "update", "mindmon", "other")
 RATES = ("samples_per_second", "tokens_per_second", "job_samples_per_second", "job_tokens_per_second")
 # A rank's row in the cross-rank buffer: this step's computing time, then the previous step's figures.
@@ -58,12 +62,15 @@ class SpeedMonitor(Monitor):
 
     def __init__(self, rank: int = 0, data_parallel=None, global_batch_size: Optional[int] = None,
                  slow_rank_factor: float = 1.2, memory: Optional[MemoryPeaks] = None, flops=None,
-                 peak_flops_per_second: Optional[float] = None, routed: Optional[Callable[[], Optional[dict]]] = None):
+                 peak_flops_per_second: Optional[float] = None, routed: Optional[Callable[[], Optional[dict]]] = None,
+                 throughput_drop: float = 0.5):
         """`flops`: a mindmon.features.speed.flops.FlopCounter attached to the model, or None; `routed`: this
         step's tokens per expert by MoE layer, read at StepEnd (before the MoE monitor lets them go)."""
         self.rank = rank
         self.flops, self.peak, self.routed = flops, peak_flops_per_second, routed
         self._routed_now: Optional[dict] = None
+        self.throughput_drop = throughput_drop
+        self._recent_rates: deque = deque(maxlen=RECENT_STEPS)
         self.data_parallel = data_parallel if data_parallel is not None and data_parallel.active else None
         self.global_batch_size = global_batch_size
         self.slow_rank_factor = slow_rank_factor
@@ -123,6 +130,7 @@ class SpeedMonitor(Monitor):
         records += [Record(step, None, self.rank, MEMORY, name, value) for name, value in self.memory.take().items()]
         records += self._eta(step, end)
         records += self._flop_records(step, phases["step"])
+        records += self._drop(step, rates.get("samples_per_second"))
         records += self._across_ranks(step)
         self._previous_row = np.array([np.nan, phases["step"], *(phases[p] for p in PHASES),
                                        *(rates.get(r, np.nan) for r in RATES)], np.float64)
@@ -163,6 +171,17 @@ class SpeedMonitor(Monitor):
             rates["tokens_per_second"] = tokens / seconds
             rates["job_tokens_per_second"] = tokens / samples * job_samples / seconds
         return rates
+
+    def _drop(self, step: int, rate: Optional[float]) -> List[Record]:
+        """On rank 0 (every rank's step takes the same wall time under the collective): this step's samples per
+        second against the median of the steps before it, when it fell below `throughput_drop` of it."""
+        if rate is None or self.rank != 0:
+            return []
+        median = float(np.median(self._recent_rates)) if len(self._recent_rates) >= MIN_STEPS_FOR_DROP else None
+        self._recent_rates.append(rate)
+        if median is None or not median > 0 or rate >= self.throughput_drop * median:
+            return []
+        return [Record(step, None, self.rank, THROUGHPUT_DROP, "samples_per_second", rate / median)]
 
     def _flop_records(self, step: int, seconds: float) -> List[Record]:
         """The step's useful and executed FLOPs, and MFU / HFU against the peak (none without one)."""
