@@ -42,7 +42,7 @@ test: install services install-msprobe
 install-ms27:
 	@test -x $(BIN_MS27)/python || $(PYTHON) -m venv $(VENV_MS27)
 	$(BIN_MS27)/python -m pip install -q --upgrade "pip>=23"
-	$(BIN_MS27)/python -m pip install -q -c constraints-ms27.txt ".[mindspore,mindnlp,report,analysis,test]"
+	$(BIN_MS27)/python -m pip install -q -c constraints-ms27.txt ".[mindspore,mindnlp,report,analysis,prometheus,test]"
 	@rm -rf build mindmon.egg-info
 
 # Two processes: `import mindnlp` changes mindspore.Tensor for the whole process it runs in.
@@ -60,7 +60,7 @@ install-ms210:
 	grep -v -E '^($(MS210_PINNED))==' constraints.txt > $(VENV_MS210)/constraints.txt
 	grep -v '^#' constraints-ms210.txt >> $(VENV_MS210)/constraints.txt
 	$(BIN_MS210)/python -m pip install -q -c $(VENV_MS210)/constraints.txt \
-		".[mindspore,tensorboard,report,alerts,analysis,distributed,test]"
+		".[mindspore,tensorboard,report,alerts,analysis,distributed,prometheus,test]"
 	$(BIN_MS210)/python -m pip install -q --no-deps -c $(VENV_MS210)/constraints.txt mindformers
 	$(BIN_MS210)/python tools/mindformers_requirements.py > $(VENV_MS210)/mindformers-requirements.txt
 	$(BIN_MS210)/python -m pip install -q -c $(VENV_MS210)/constraints.txt -r $(VENV_MS210)/mindformers-requirements.txt

@@ -13,6 +13,8 @@ import pytest
 from mindspore import Tensor, nn
 
 from conftest import read_jsonl
+from mindmon.events import (GradientsReduced, MicroBatchEnd, MicroBatchGradients, MicroBatchLoss, ReduceBegin,
+                            StepBegin, StepLoss, UpdateDone)
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
 from mindmon.distributed import DataParallel
 from mindmon.engine import Monitor
@@ -201,10 +203,11 @@ def test_num_micro_steps_below_one_is_refused_and_one_is_a_plain_step():
 
 
 class KeyLog(Monitor):
-    """Logs every key the step records, with its micro_step, in order (the MoE token monitor relies on
-    the step-begin and micro-step-end keys)."""
+    """Logs every step event the step emits, with its micro_step, in order (the MoE token monitor relies on
+    the step-begin and micro-batch-end events)."""
 
-    KEYS = ("moe_tpe_step_begin", "moe_tpe", "local_loss", "local_norm", "device_loss", "device_norm")
+    EVENTS = (StepBegin, MicroBatchLoss, MicroBatchGradients, MicroBatchEnd, ReduceBegin, GradientsReduced,
+              UpdateDone, StepLoss)
 
     def __init__(self):
         self.keys = []
@@ -212,23 +215,24 @@ class KeyLog(Monitor):
     def reset(self):
         self.keys.append(("reset", None))
 
-    def record(self, key, value=None, context=None):
-        self.keys.append((key, (context or {}).get("micro_step")))
+    def on_event(self, event):
+        self.keys.append((type(event).__name__, getattr(event, "micro_step", None)))
 
     def collect(self, step):
         return []
 
 
-def test_the_step_records_its_keys_in_order_to_an_active_group():
+def test_the_step_emits_its_events_in_order_to_an_active_group():
     log = KeyLog()
     net = TwoLayer(_initial_weights())
     train_step = AccumulatingTrainStep(net, nn.SGD(net.params, learning_rate=LR), num_micro_steps=2,
                                        group=MonitorGroup([log]))
     x, y = _batches()
     train_step(split_batch((Tensor(x[0]), Tensor(y[0])), 2))
-    per_micro_step = [[("local_loss", k), ("local_norm", k), ("moe_tpe", k)] for k in range(2)]
-    assert log.keys == ([("reset", None), ("moe_tpe_step_begin", None)] + per_micro_step[0] + per_micro_step[1]
-                        + [("device_loss", None), ("device_norm", None)])
+    per_micro_step = [[("MicroBatchLoss", k), ("MicroBatchGradients", k), ("MicroBatchEnd", k)] for k in range(2)]
+    assert log.keys == ([("reset", None), ("StepBegin", None)] + per_micro_step[0] + per_micro_step[1]
+                        + [("ReduceBegin", None), ("GradientsReduced", None), ("UpdateDone", None),
+                           ("StepLoss", None)])
 
 
 class SkipEveryUpdate:
@@ -259,12 +263,13 @@ class SnapshotLog(Monitor):
     """Copies what each micro-step's gradient snapshot holds when it is recorded (the host buffer's
     views change with the next micro-step)."""
 
-    KEYS = ("local_norm",)
+    EVENTS = (MicroBatchGradients,)
 
     def __init__(self):
         self.micro, self.accumulated, self.kinds = [], [], set()
 
-    def record(self, key, value=None, context=None):
+    def on_event(self, event):
+        value = event.gradients
         self.kinds |= {type(t) for t in list(value.micro) + list(value.accumulated)}
         def copied(tensors):
             return [np.array(t if isinstance(t, np.ndarray) else t.asnumpy(), np.float64).reshape(-1)

@@ -125,7 +125,8 @@ def _whole_steps(run_dir, rank):
     """Every step the rank wrote is whole: K local losses, the device loss and norm; the last step."""
     text = (run_dir / "out" / f"rank_{rank}" / "metrics.jsonl").read_text()
     assert text.endswith("\n")
-    records = jsonl.read_records(str(run_dir / "out" / f"rank_{rank}" / "metrics.jsonl"))
+    records = [r for r in jsonl.read_records(str(run_dir / "out" / f"rank_{rank}" / "metrics.jsonl"))
+               if r.kind != "rank_lost"]   # rank 0's finding, written when it is made (below)
     steps = sorted({r.step for r in records})
     assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 3
     for step in steps:
@@ -183,6 +184,12 @@ def test_a_lost_node_is_named_by_every_survivor_and_ends_the_other_keeping_its_s
         if "Kill this process with SIGTERM" in text:   # MindSpore's own end of the process came after it
             assert text.index("stopped answering") < text.index("Kill this process with SIGTERM")
         _whole_steps(tmp_path, rank)
+    # rank 0's finding reached its JSONL at once and its alert recipients once (the rank_lost run event)
+    found = [r for r in jsonl.read_records(str(tmp_path / "out" / "rank_0" / "metrics.jsonl")) if r.kind == "rank_lost"]
+    assert sorted(r.name for r in found) == ["rank 2", "rank 3"]
+    with sqlite3.connect(tmp_path / "alerts.db") as db:
+        rows = db.execute("SELECT rank, kind, message FROM mindmon_anomalies WHERE kind = 'rank_lost'").fetchall()
+    assert len(rows) == 1 and rows[0][0] == 2 and "ranks [2, 3] stopped answering" in rows[0][2], rows
 
 
 def test_losing_the_heartbeat_host_is_named_by_the_other_node(tmp_path):

@@ -205,7 +205,7 @@ class AlertSink(Sink):
         the parallel layout (e.g. "dp 2 x tp 2"), the hosts (this one when not given), the versions."""
         self._told.add("started")
         details = lifecycle.started_details(monitored, layout, hosts, world_size, max_steps, self.output_dir)
-        return self.report_event("started", value=details.get("world_size", 1), details=details)
+        return self.report_event("started", step=0, value=details.get("world_size", 1), details=details)
 
     def run_finished(self, steps: Optional[int] = None, reason: str = "completed") -> Anomaly:
         """At the normal end, before `close` (which delivers it): the steps run and why it ended

@@ -38,4 +38,4 @@ def build(build, section: TrackersConfig) -> None:
 
 
 FEATURE = Feature("trackers", PATH, parse=TrackersConfig.parse, build=build,
-                  example={"monitor": {"trackers": {"wandb": {}}}})   # offline: no server needed
+                  example={"monitor": {"trackers": {"prometheus": {"port": 0, "addr": "127.0.0.1"}}}})
