@@ -15,7 +15,7 @@ BIN_MS27 := $(VENV_MS27)/bin
 VENV_MS210 ?= .venv-ms210
 BIN_MS210 := $(VENV_MS210)/bin
 
-.PHONY: install demo services install-msprobe test install-ms27 test-ms27 install-ms210 test-ms210 clean
+.PHONY: install demo lint services install-msprobe test install-ms27 test-ms27 install-ms210 test-ms210 clean
 
 install:
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,10 @@ install-msprobe:
 	@test -x $(VENV_MSPROBE)/bin/python || $(PYTHON) -m venv $(VENV_MSPROBE)
 	$(VENV_MSPROBE)/bin/python -m pip install -q "mindspore==2.9.0" "mindstudio-probe==26.2.0" "numpy==1.26.4"
 
-test: install services install-msprobe
+lint: install
+	$(BIN)/ruff check mindmon tools tests
+
+test: install lint services install-msprobe
 	MSPROBE_V2_PYTHON=$(abspath $(VENV_MSPROBE))/bin/python $(BIN)/python -m pytest -q -m "not mindnlp and not mindformers2" tests
 
 install-ms27:

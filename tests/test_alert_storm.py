@@ -55,5 +55,5 @@ def test_a_storm_is_batched_and_rate_limited(tmp_path, postgres_server, smtp_inb
     body = smtp_inbox.messages[0].get_payload(decode=True).decode()
     assert body.count("\n- Rule AnomalyNan") == 20 and "more are counted above and not listed" in body
     assert sink.reports[1].folded == total - 20 * len(per_message)
-    assert f"folded into counts by rule and tag" in caplog.text
+    assert "folded into counts by rule and tag" in caplog.text
     assert caplog.text.count("more anomalies at step") == STEPS   # the log lists 20 a step and counts the rest

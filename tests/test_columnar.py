@@ -1,6 +1,5 @@
 """The columnar output: the same records as the JSONL (NaN and inf kept), written a step at a time so a
 SIGKILL loses at most the step in flight, at least 5x smaller, and `mindmon compact` from a JSONL run."""
-import math
 import os
 import signal
 import subprocess

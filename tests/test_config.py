@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from conftest import BAD_PROFILER_SECTIONS
-from mindmon.config import ConfigError, ConfigTypeError, ParamFilter
+from mindmon.config import ConfigError, ParamFilter
 from mindmon.features import parse_sections
 
 

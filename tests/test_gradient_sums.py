@@ -4,7 +4,6 @@ numpy sum of the micro-batch gradients, and a gradient whose size does not match
 never read past its end."""
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor
 
 from mindmon.kernels import stats

@@ -2,7 +2,6 @@
 import csv
 import io
 import logging
-import math
 import os
 import uuid
 

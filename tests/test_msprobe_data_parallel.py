@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from msprobe_reference import K, NAMES, adam_weight_decay, batches, gradients, initial_weights, statistic
+from msprobe_reference import NAMES, adam_weight_decay, batches, gradients, initial_weights, statistic
 from mindmon.formats.msprobe_csv import read_csv
 
 RANKS, STEPS = 2, 2

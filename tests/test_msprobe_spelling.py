@@ -5,10 +5,8 @@ through generate_wgrad_metrics). Tags are written out literally here, TensorBoar
 TensorBoard's reader and every value is compared with the float64 numpy run of msprobe_reference."""
 import glob
 import json
-import math
 import os
 
-import numpy as np
 import pytest
 
 from msprobe_reference import K, NAMES, STEPS, make_model, make_optimizer, msprobe_loop, reference_run, statistic, train_steps

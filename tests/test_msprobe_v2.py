@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from msprobe_reference import (BETA1_F32, BETA2_F32, K, LR, NAMES, STEPS, batches, gradients, initial_weights,
+from msprobe_reference import (BETA1_F32, BETA2_F32, K, LR, NAMES, batches, gradients, initial_weights,
                                statistic)
 from mindmon.config import ConfigError
 

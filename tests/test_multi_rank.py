@@ -252,7 +252,7 @@ def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog
 
     from mindmon import parse_sections
     from mindmon.distributed import DataParallel
-    from mindmon.factory import build_callbacks, build_group
+    from mindmon.factory import build_group
 
     two_ranks = DataParallel()
     two_ranks.size, two_ranks.rank = 2, 1

@@ -3,7 +3,7 @@ import logging
 
 import numpy as np
 import pytest
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Tensor, nn
 
 from conftest import read_jsonl
 from mindmon.engine import Monitor

@@ -3,7 +3,6 @@ tools/test_services.sh) scraping rank 0's endpoint; PromQL through its HTTP API 
 checked against the JSONL records and the anomaly dump the same run wrote, and the loss against numpy."""
 import json
 import logging
-import os
 import shutil
 import socket
 import subprocess

@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
         line = job.stdout.readline()
         assert line, job.stderr.read()[-3000:]
         lines.append(line.strip())
-    swap = f'umount -l "$0" && mount --bind "$0" "$0" && mount -o remount,bind,ro "$0"'
+    swap = 'umount -l "$0" && mount --bind "$0" "$0" && mount -o remount,bind,ro "$0"'
     subprocess.run(["nsenter", "-t", str(job.pid), "-m", "sh", "-c", swap, str(folder)], check=True)
     job.stdin.write("\n")
     job.stdin.flush()
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
         assert code == 0, stderr[-3000:]
         assert stdout.splitlines()[-2:] == [f"step {STEPS}", "after train"]   # training went on; the code after it ran
         assert "Traceback" not in stderr and "Exception in thread" not in stderr
-    print(f"\n[read-only] the job's error lines:\n" + "\n".join(l for l in err.splitlines() if "ERROR" in l))
+    print("\n[read-only] the job's error lines:\n" + "\n".join(l for l in err.splitlines() if "ERROR" in l))
     return root / "free", folder, err
 
 
@@ -71,7 +71,7 @@ def _whole_up_to_pause_or_all(full, free):
 def test_the_dump_and_the_spool_report_once_and_keep_every_step_before_the_fault(runs):
     free, ro, stderr = runs
     assert stderr.count(f"writing {ro}/monitor/anomaly_detected/rank0/anomaly.json failed ({EROFS}") == 1
-    assert stderr.count(f"spool write failed (Read-only file system); anomalies are dropped from delivery") == 1
+    assert stderr.count("spool write failed (Read-only file system); anomalies are dropped from delivery") == 1
     dumps = [json.loads((run / "monitor/anomaly_detected/rank0/anomaly.json").read_text()) for run in (free, ro)]
     per_step = [Counter(entry["step"] for entry in dump.values()) for dump in dumps]
     assert sorted(per_step[1]) == list(range(1, PAUSE + 1))     # the steps before the fault, each whole

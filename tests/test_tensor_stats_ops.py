@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from mindmon.features.tensor_stats.monitor import OPS, numpy_stats
+from mindmon.features.tensor_stats.monitor import numpy_stats
+from mindmon.features.tensor_stats.points import OPS
 
 pytestmark = pytest.mark.ms27
 

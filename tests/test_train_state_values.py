@@ -241,7 +241,7 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
     """With several ranks the loop hands the data-parallel mean to `device_norm`: its norm is written,
     not this rank's accumulated one; local norms stay this rank's own. Filters pick the names."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
+    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients
     from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": "a", "device_norm": "b"})
@@ -261,7 +261,7 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
 def test_a_given_way_of_taking_norms_is_the_one_used():
     """`norms=` swaps in another SquaredNorms (the overhead benchmark does): the monitor must use it."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
+    from mindmon.events import GradientSnapshot, MicroBatchGradients
     from mindmon.features.train_state.monitor import TrainStateMonitor
     from mindmon.kernels.stats import SquaredNorms
 

@@ -77,7 +77,7 @@ def outlier(kind: str, per_rank: Dict[int, float], factor: float) -> Optional[in
 
 def step_windows(step_rows: List[Tuple[int, int]], most: int = WINDOW_ROWS) -> List[Tuple[int, int]]:
     """(first, last) step ranges of at most `most` records each (at least one step)."""
-    windows, first, rows = [], None, 0
+    windows, first, last, rows = [], None, None, 0
     for step, count in step_rows:
         if first is not None and rows + count > most:
             windows.append((first, last))

@@ -31,7 +31,7 @@ Series = Dict[Tuple[str, str], Dict[str, np.ndarray]]
 
 
 def _has(engine, kind: str) -> bool:
-    return bool(engine.first(f"SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [kind])[0])
+    return bool(engine.first("SELECT count(*) FROM (SELECT 1 FROM records WHERE kind = ? LIMIT 1)", [kind])[0])
 
 
 def step_series(engine) -> Series:

@@ -16,11 +16,11 @@ Example:
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from mindmon.config.checks import (ConfigError, check_bool, check_directory, check_keys, check_one_of, is_int,
+from mindmon.config.checks import (check_bool, check_directory, check_keys, check_one_of, is_int,
                                    parse_ranks, type_error, value_error)
 
 DEFAULT_OUTPUT_DIR = "./output/monitor"

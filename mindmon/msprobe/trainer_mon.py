@@ -24,7 +24,7 @@ from mindmon.engine import Sink
 from mindmon.features.tensor_stats.config import TensorStatsConfig, load_config_json, parse_ops
 from mindmon.features.tensor_stats.dynamic import ConfigWatcher, dynamic_mode
 from mindmon.features.tensor_stats.hooks import TensorStatsHooks, attachment
-from mindmon.features.tensor_stats.monitor import ACTV, ACTV_GRAD, GRAD_REDUCED, GRAD_UNREDUCED
+from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD, GRAD_REDUCED, GRAD_UNREDUCED
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 from mindmon.formats.msprobe_csv import output_root as csv_output_root, run_folder_name
 from mindmon.parallel.layout import ParallelLayout

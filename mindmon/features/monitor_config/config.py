@@ -18,7 +18,6 @@ Example:
                                                              "target": ["layers.0"]})
     config.formats["local_norm"]   # frozenset({"log"})
 """
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Optional, Tuple

@@ -12,7 +12,7 @@ All are read at step end, after the update, every `step_interval` steps (the sta
 """
 import logging
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 

@@ -250,7 +250,7 @@ def _format(path: str, value: Any) -> str:
 
 
 def _append_output(path: str, value: Any) -> Tuple[str, ...]:
-    allowed = f"[] or two run-folder timestamps like [\"Dec03_21-34-40\", \"Dec03_21-34-42\"]"
+    allowed = "[] or two run-folder timestamps like [\"Dec03_21-34-40\", \"Dec03_21-34-42\"]"
     if not isinstance(value, list):
         raise type_error(path, value, allowed)
     if len(value) not in (0, 2):

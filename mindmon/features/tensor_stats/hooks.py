@@ -25,8 +25,9 @@ from mindmon.features.tensor_stats.accumulate import GradientSums
 from mindmon.features.tensor_stats.activations import (ActivationHooks, MicroSteps, check_spec_targets,
                                                        root_forward_counter)
 from mindmon.features.tensor_stats.config import TensorStatsConfig
-from mindmon.features.tensor_stats.monitor import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED,
-                                                   GRAD_UNREDUCED, PARAM_ORIGIN, PARAM_UPDATED, TensorStatsMonitor)
+from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
+from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
+                                                  PARAM_ORIGIN, PARAM_UPDATED)
 from mindmon.features.tensor_stats.optimizer_state import ADAM_RATIO, ADAM_UPDATE, MG_DIRECTION, adam_state_for
 from mindmon.features.tensor_stats.structure import StackHooks, StopTraining, StructHooks
 from mindmon.features.tensor_stats.targets import find_moments, optimizer_parameters, select_parameters

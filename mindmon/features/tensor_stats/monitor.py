@@ -32,8 +32,7 @@ import numpy as np
 
 from mindmon.compat import dtype_name, is_float32
 from mindmon.engine import Monitor
-from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
-                                                  OPS, PARAM_ORIGIN, PARAM_UPDATED, POINTS)
+from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, POINTS)
 from mindmon.records import Record, TensorStatsRecord
 from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at, row_reductions_at
 from mindmon.kernels.stats import (SMALL, StepDirectViews, direct_view, element_count, float32_memories,
