@@ -248,6 +248,29 @@ def test_swanlab_unwritable_log_dir_training_goes_on(tmp_path, caplog):
     assert len(lines) == 1 and "SwanLab" in lines[0], lines
 
 
+def test_swanlab_disk_full_mid_run_training_goes_on(tmp_path):
+    """SwanLab's folder on a 64 KiB tmpfs that fills mid-run: SwanLab's writes fail (it logs them itself and
+    raises nothing), training goes on with every step in the JSONL, and the steps SwanLab wrote before the
+    disk filled are in its file with the run's values."""
+    import subprocess
+
+    folder = tmp_path / "swanlog"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], check=True)
+    try:
+        output = tmp_path / "out"
+        train(output, {"swanlab": {"log_dir": str(folder)}}, steps=60).close()
+        assert sorted(recorded(output)) == list(range(1, 61))
+        got = swanlab_scalars(folder)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    written = sorted(step for step, values in got.items() if "lm_loss" in values)
+    assert written and written == list(range(1, written[-1] + 1)) and written[-1] < 60   # the disk filled mid-run
+    expected = recorded(output)
+    for step in written:
+        assert got[step]["lm_loss"] == pytest.approx(expected[step]["lm_loss"], rel=1e-6)
+
+
 # W&B ---------------------------------------------------------------------------------------------------------------
 
 def _leveldb_records(data):
