@@ -213,7 +213,7 @@ BAD = [
      "monitor.alert.inform.secret: got a int; allowed: a non-empty string"),
     ({"url": "https://x.example/h", "events": ["crashed", "exploded"]},
      "monitor.alert.inform.events: got 'exploded' (str); allowed: run events from "
-     "['started', 'finished', 'crashed', 'rank_lost', 'hang', 'slow_rank']"),
+     "['started', 'finished', 'crashed', 'rank_lost', 'hang', 'slow_rank', 'throughput_drop']"),
     ({"url": "https://x.example/h", "webhook_interval": -1},
      "monitor.alert.inform.webhook_interval: got -1 (int); allowed: a number of seconds >= 0"),
     ({"template": "slack"}, "monitor.alert.inform.url: missing; recipient webhook needs the URL to post to"),

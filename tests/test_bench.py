@@ -124,7 +124,8 @@ def test_host_sync_reference_computes_the_same_norms(rng):
 
 
 class _HostReads:
-    """Counts Tensor.asnumpy calls (a spy that calls through) made while the step is inside a group call."""
+    """Counts Tensor.asnumpy calls (a spy that calls through) made while the step is inside a group call (its
+    events, records and step end)."""
 
     def __init__(self, monkeypatch, group):
         self.in_record, self.in_flush, self.outside, self._where = 0, 0, 0, None
@@ -140,16 +141,16 @@ class _HostReads:
             return original(tensor)
 
         monkeypatch.setattr(Tensor, "asnumpy", asnumpy)
-        for name, where in (("reset", "record"), ("record", "record"), ("flush", "flush")):
+        for name, where in (("reset", "record"), ("record", "record"), ("emit", "record"), ("flush", "flush")):
             setattr(group, name, self._inside(getattr(group, name), where))
 
     def _inside(self, method, where):
         def call(*args, **kwargs):
-            self._where = where
+            outer, self._where = self._where, where
             try:
                 return method(*args, **kwargs)
             finally:
-                self._where = None
+                self._where = outer   # a call inside another (the step-begin event resets the group) keeps its place
         return call
 
 

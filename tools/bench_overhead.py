@@ -144,7 +144,7 @@ class HostSyncPerParameterNorms:
 
 class TimedGroup:
     """Forwards the training step's calls to a MonitorGroup and adds up the seconds spent in them:
-    during the step (reset/record) and at step end (flush)."""
+    during the step (its events) and at step end (flush)."""
 
     def __init__(self, group, own_norms: bool = False):
         self.group = group
@@ -155,6 +155,11 @@ class TimedGroup:
 
     def should_record(self, key: str) -> bool:
         return self.group.should_record(key) and not (self.own_norms and key == "local_norm")
+
+    def should_take(self, event_type: type) -> bool:
+        from mindmon.events import MicroBatchGradients
+
+        return self.group.should_take(event_type) and not (self.own_norms and event_type is MicroBatchGradients)
 
     @property
     def active(self) -> bool:
@@ -177,6 +182,13 @@ class TimedGroup:
         if self.own_norms and key == "local_norm":
             value = replace(value, squared_norms=None)
         self._timed(True, self.group.record, key, value, context)
+
+    def emit(self, event) -> None:
+        from mindmon.events import MicroBatchGradients
+
+        if self.own_norms and isinstance(event, MicroBatchGradients):
+            event = MicroBatchGradients(event.micro_step, replace(event.gradients, squared_norms=None))
+        self._timed(True, self.group.emit, event)
 
     def set_max_norm(self, max_norm: float) -> None:
         self.group.set_max_norm(max_norm)
