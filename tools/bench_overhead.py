@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from mindmon.features.speed.memory import reset_peak_rss, status_bytes  # noqa: E402  (after the path)
+
 
 # The main run's demo model (DemoModelConfig keys): every expert runs on every token, so a step is
 # about 6 x parameters x tokens flops of real compute. 4 layers + 1 MTP layer, 10.6M parameters.
@@ -424,21 +426,8 @@ def _file_logger(name: str, path: Path) -> logging.Logger:
 
 
 def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_peak_rss() -> bool:
-    """Linux resets the process's peak RSS (VmHWM) on writing 5 to clear_refs; False if not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
+    value = status_bytes(field)
+    return -1 if value is None else int(value) // 1024
 
 
 @dataclass
@@ -560,7 +549,7 @@ def run_interleaved(configs: List[Configuration], rounds: int, steps_per_block: 
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for config in order:
             config.enter()
-            can_reset = _reset_peak_rss()
+            can_reset = reset_peak_rss()
             before = _rss_kib("VmRSS")
             times = [config.step() for _ in range(steps_per_block)]
             samples[config.name].times.append(times)

@@ -14,7 +14,9 @@ from typing import Dict, Optional
 logger = logging.getLogger("mindmon")
 
 
-def _status_bytes(field: str) -> Optional[float]:
+def status_bytes(field: str) -> Optional[float]:
+    """A memory figure of this process from /proc/self/status (`VmRSS`, `VmHWM`, ...) in bytes; None where
+    there is none."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -25,7 +27,8 @@ def _status_bytes(field: str) -> Optional[float]:
     return None
 
 
-def _reset_host_peak() -> bool:
+def reset_peak_rss() -> bool:
+    """Linux resets the process's peak resident set (VmHWM) on writing 5 to clear_refs; False if not allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
@@ -38,16 +41,16 @@ class MemoryPeaks:
     """`take()`: the peaks since the last `take()` (or since it was made), in bytes, then reset."""
 
     def __init__(self):
-        self.resets = _reset_host_peak()
+        self.resets = reset_peak_rss()
         self.device = _device_runtime()
 
     def take(self) -> Dict[str, float]:
         peaks = {}
-        host = _status_bytes("VmHWM")
+        host = status_bytes("VmHWM")
         if host is not None:
             peaks["peak_rss" if self.resets else "peak_rss_since_start"] = host
         if self.resets:
-            self.resets = _reset_host_peak()
+            self.resets = reset_peak_rss()
         if self.device is not None:
             peaks.update(self._device_peaks())
         return peaks
