@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from mindmon.config import ConfigError, check_bool, check_keys, is_int, is_number, type_error, value_error
+from mindmon.config import check_int, ConfigError, check_bool, check_keys, is_int, is_number, type_error, value_error
 
 FRAMEWORKS = {"mindspore": "mindspore", "ms": "mindspore"}
 OTHER_FRAMEWORKS = ("pytorch", "pt", "torch")
@@ -93,18 +93,18 @@ def parse_config_v2(raw: Any, fr: Optional[str] = None) -> ConfigV2:
     if not isinstance(raw, dict):
         raise type_error("config_path", raw, "a config.json holding a JSON object")
     raw = check_keys("", raw, TOP_KEYS)
-    start = _int("start_step", raw.get("start_step", 0), 0)
-    interval = _int("step_interval", raw.get("step_interval", 1), 1)
-    collect_times = _int("collect_times", raw.get("collect_times", DEFAULT_COLLECT_TIMES), 1)
+    start = check_int("start_step", raw.get("start_step", 0), 0)
+    interval = check_int("step_interval", raw.get("step_interval", 1), 1)
+    collect_times = check_int("collect_times", raw.get("collect_times", DEFAULT_COLLECT_TIMES), 1)
     stop = raw.get("stop_step")
-    stop = start + collect_times * interval if stop is None else _int("stop_step", stop, start)
+    stop = start + collect_times * interval if stop is None else check_int("stop_step", stop, start)
     fmt = raw.get("format", "csv")
     if not isinstance(fmt, str) or fmt.strip().lower() != "csv":
         raise value_error("format", fmt, '"csv" (monitor_v2 writes CSV only)')
     patch = raw.get("patch_optimizer_step")
     return ConfigV2(framework=_framework(raw, fr), output_dir=_output_dir(raw.get("output_dir", "./")),
                     ranks=_ranks(raw.get("rank", [])), start_step=start, step_interval=interval,
-                    step_count_per_record=_int("step_count_per_record", raw.get("step_count_per_record", 1), 1,
+                    step_count_per_record=check_int("step_count_per_record", raw.get("step_count_per_record", 1), 1,
                                                MAX_STEP_COUNT_PER_RECORD),
                     collect_times=collect_times, stop_step=stop,
                     async_write=check_bool("async_write", raw.get("async_write", False)),
@@ -134,15 +134,6 @@ def _ranks(value: Any) -> Tuple[int, ...]:
     if not isinstance(value, list) or not all(is_int(r) and r >= 0 for r in value):
         raise type_error("rank", value, "an int >= 0 or a list of them ([] = every rank)")
     return tuple(dict.fromkeys(value))
-
-
-def _int(path: str, value: Any, low: int, high: Optional[int] = None) -> int:
-    allowed = f"an int >= {low}" + (f" and <= {high}" if high is not None else "")
-    if not is_int(value):
-        raise type_error(path, value, allowed)
-    if value < low or (high is not None and value > high):
-        raise value_error(path, value, allowed)
-    return value
 
 
 def _monitors(value: Any) -> Dict[str, MonitorV2]:
@@ -189,5 +180,5 @@ def _options(path: str, name: str, entry: dict) -> Dict[str, Any]:
             options[flag] = check_bool(f"{path}.{flag}", entry[flag])
     for count in ("micro_batch_number", "grad_acc_steps"):
         if count in entry:
-            options[count] = _int(f"{path}.{count}", entry[count], 1)
+            options[count] = check_int(f"{path}.{count}", entry[count], 1)
     return options

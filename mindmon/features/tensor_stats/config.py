@@ -13,9 +13,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
-from mindmon.config import ConfigError, ConfigTypeError, check_bool, check_keys, check_positive_number, describe, key_path, is_int, type_error, value_error
+from mindmon.config import check_int, ConfigError, ConfigTypeError, check_bool, check_keys, check_positive_number, describe, key_path, is_int, type_error, value_error
 from mindmon.formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT
 from mindmon.features.tensor_stats.points import OPS
 from mindmon.features.l2.config import CC_KEY, L2_KEYS, parse_cc, parse_l2
@@ -157,14 +157,14 @@ def parse_tensor_stats(section: Any, path: str = "") -> TensorStatsConfig:
     return TensorStatsConfig(
         targets=_targets(key_path(path, "targets"), raw["targets"]), ops=parse_ops(key_path(path, "ops"), raw["ops"]),
         eps=check_positive_number(key_path(path, "eps"), raw["eps"]),
-        ndigits=_int_in(key_path(path, "ndigits"), raw["ndigits"], 0, 30),
-        start_step=_int_in(key_path(path, "start_step"), raw["start_step"], 0, None),
-        step_interval=_int_in(key_path(path, "step_interval"), raw["step_interval"], 1, None),
-        collect_times=_int_in(key_path(path, "collect_times"), raw["collect_times"], 0, None),
+        ndigits=check_int(key_path(path, "ndigits"), raw["ndigits"], 0, 30),
+        start_step=check_int(key_path(path, "start_step"), raw["start_step"], 0, None),
+        step_interval=check_int(key_path(path, "step_interval"), raw["step_interval"], 1, None),
+        collect_times=check_int(key_path(path, "collect_times"), raw["collect_times"], 0, None),
         module_ranks=_ranks(key_path(path, "module_ranks"), raw["module_ranks"]),
         format=_format(key_path(path, "format"), raw["format"]),
-        step_count_per_record=_int_in(key_path(path, "step_count_per_record"), raw["step_count_per_record"],
-                                      1, MAX_STEP_COUNT_PER_RECORD),
+        step_count_per_record=check_int(key_path(path, "step_count_per_record"), raw["step_count_per_record"],
+                                        1, MAX_STEP_COUNT_PER_RECORD),
         append_output=_append_output(key_path(path, "append_output"), raw["append_output"]),
         alert=_alert(path, section.get("alert")), later=later,
         xy_specs=parse_xy_specs(key_path(path, "targets"), raw["targets"]),
@@ -222,15 +222,6 @@ def parse_ops(path: str, value: Any) -> Tuple[str, ...]:
     # Duplicates dropped, config order kept; shape and dtype are columns of every file anyway.
     ops = tuple(op for op in dict.fromkeys(value) if op not in ALWAYS_WRITTEN)
     return ops or ("norm",)
-
-
-def _int_in(path: str, value: Any, low: int, high: Optional[int]) -> int:
-    allowed = f"an int >= {low}" + (f" and <= {high}" if high is not None else "")
-    if not is_int(value):
-        raise type_error(path, value, allowed)
-    if value < low or (high is not None and value > high):
-        raise value_error(path, value, allowed)
-    return value
 
 
 def _ranks(path: str, value: Any) -> Tuple[int, ...]:
