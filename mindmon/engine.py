@@ -114,6 +114,19 @@ class Monitor(abc.ABC):
         """Train end: detach hooks, release what the monitor holds."""
 
 
+class Service(abc.ABC):
+    """Runs beside training for the group's life and takes no records (the peer watchdog's thread): the
+    group starts it when it opens and stops it when it closes. Neither call may raise into training."""
+
+    @abc.abstractmethod
+    def start(self, run: RunInfo) -> None:
+        pass
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        pass
+
+
 class SinkClosedError(RuntimeError):
     """A write to a sink (or group) after `close()`: the run's files are finished."""
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from mindmon.config import MindmonConfig
 from mindmon.distributed import DataParallel
-from mindmon.engine import CombinedActions, Feature, Monitor, Sink
+from mindmon.engine import CombinedActions, Feature, Monitor, Service, Sink
 from mindmon.features import FEATURES, section_of
 from mindmon.group import MonitorGroup
 
@@ -48,6 +48,7 @@ class Build:
     given_on_host: Optional[bool] = None
     monitors: List[Monitor] = field(default_factory=list)
     sinks: List[Sink] = field(default_factory=list)
+    services: List[Service] = field(default_factory=list)   # run beside training (the peer watchdog)
     actions: List[Any] = field(default_factory=list)  # asked before the update and after the step (alerts, guards)
     parts: Dict[str, Any] = field(default_factory=dict)
     log_sink: Any = None            # a feature's own log-line sink in place of the default one
@@ -128,11 +129,11 @@ def build(config: MindmonConfig, model=None, parameter_names: Sequence[str] = ()
             feature.build(result, section)
             feature_sinks += result.sinks
     result.sinks = (_own_outputs(result) if outputs is None else list(outputs)) + feature_sinks
-    result.sinks += _peer_watchdog(result)
+    result.services += _peer_watchdog(result)
     return result
 
 
-def _peer_watchdog(built: Build) -> List[Sink]:
+def _peer_watchdog(built: Build) -> List[Service]:
     """On a run of several ranks, the thread that names the ranks lost mid-run and, on rank 0, declares a hang
     (mindmon.parallel.watchdog): `monitor.speed.hang_after` when set, the ranks' stacks in the run's folder.
     What it finds goes, from its own thread (the training thread may be the one stuck), to the JSONL at once
@@ -222,7 +223,7 @@ def assemble(config: MindmonConfig, model=None, optimizer=None, parameter_names:
 
 def group_of(built: Build) -> MonitorGroup:
     actions = built.actions[0] if len(built.actions) == 1 else CombinedActions(built.actions) if built.actions else None
-    return MonitorGroup(built.monitors, built.sinks, built.rank, built.logger, actions)
+    return MonitorGroup(built.monitors, built.sinks, built.rank, built.logger, actions, built.services)
 
 
 def build_callbacks(group: MonitorGroup, config: MindmonConfig, features: Sequence[Feature] = FEATURES) -> list:

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from mindmon.engine import Monitor, RunInfo, Sink, SinkClosedError
+from mindmon.engine import Monitor, RunInfo, Service, Sink, SinkClosedError
 from mindmon.events import StepBegin, StepEnd, StepEvent, StepWritten, from_record
 from mindmon.progress import PROGRESS
 from mindmon.records import Record
@@ -31,8 +31,9 @@ class MonitorGroup:
     """
 
     def __init__(self, monitors: Sequence[Monitor] = (), sinks: Sequence[Sink] = (), rank: int = 0,
-                 logger: Optional[logging.Logger] = None, actions=None):
+                 logger: Optional[logging.Logger] = None, actions=None, services: Sequence[Service] = ()):
         self.monitors: List[Monitor] = list(monitors)
+        self.services: List[Service] = list(services)   # started at setup, stopped at close
         self.actions = actions   # the alert sink's opt-in actions (mindmon.features.alerts.actions), or None
         self.sinks: List[Sink] = list(sinks)
         self.rank = rank
@@ -84,6 +85,8 @@ class MonitorGroup:
         self._step = start_step + 1
         for sink in self.sinks:
             sink.open(run)
+        for service in self.services:
+            self._service_call(service, service.start, run)
         self._opened = True
 
     def reset(self) -> None:
@@ -244,6 +247,15 @@ class MonitorGroup:
         for sink in list(self.sinks):
             self._sink_call(sink, sink.close)
         self.sinks = []
+        for service in self.services:
+            self._service_call(service, service.stop)
+
+    def _service_call(self, service: Service, method, *args) -> None:
+        try:
+            method(*args)
+        except Exception as error:  # a service runs beside training and must never stop it
+            self.logger.error("mindmon: %s failed (%s: %s); training goes on without it", type(service).__name__,
+                              type(error).__name__, error)
 
     def _sink_call(self, sink: Sink, method, *args) -> None:
         try:

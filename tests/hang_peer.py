@@ -23,14 +23,14 @@ def main(rank: int, world: int, port: int, hang_after: float, output_dir: str) -
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
     watchdog = PeerWatchdog(rank, world, ("127.0.0.1", port), logging.getLogger("mindmon"), hang_after=hang_after,
                             output_dir=output_dir, on_hang=on_hang)
-    watchdog.open(RunInfo(rank))
+    watchdog.start(RunInfo(rank))
     print("ready", flush=True)
     for line in sys.stdin:
         words = line.split()
         if words[:1] == ["enter"]:
             PROGRESS.enter(int(words[1]), words[2])
         elif words == ["close"]:
-            watchdog.close()
+            watchdog.stop()
             return
 
 

@@ -136,7 +136,8 @@ def test_a_run_of_one_rank_has_no_watchdog_and_msruns_address_gives_the_port(mon
     monkeypatch.setenv("MS_SCHED_PORT", "65535")
     assert endpoint() == ("127.0.0.1", 65534)
     group = build_group(parse_sections({"monitor": {"train_state": {"local_loss": True}}}))
-    assert group.sinks and not any(isinstance(sink, PeerWatchdog) for sink in group.sinks)
+    assert group.sinks and group.services == []
+    assert not any(isinstance(sink, PeerWatchdog) for sink in group.sinks)
     monkeypatch.delenv("MS_SCHED_HOST")
     assert endpoint() is None
 
@@ -147,15 +148,15 @@ def test_a_taken_port_switches_the_watchdog_off_with_one_line_and_training_goes_
 
     from mindmon.engine import RunInfo
     from mindmon.parallel.watchdog import PeerWatchdog
-    from mindmon.records import Record
+    from mindmon.progress import DATA, PROGRESS
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         watchdog = PeerWatchdog(0, 2, ("127.0.0.1", port), logging.getLogger("mindmon.test"))
         with caplog.at_level(logging.WARNING, logger="mindmon.test"):
-            watchdog.open(RunInfo(0))   # the thread tries the port at once; close() waits for it
-            watchdog.write([Record(5, None, 0, "loss", "loss", 1.0)])
-            watchdog.close()
+            watchdog.start(RunInfo(0))   # the thread tries the port at once; stop() waits for it
+            PROGRESS.enter(6, DATA)     # step 5 written, waiting for step 6's data
+            watchdog.stop()
     assert watchdog.step == 5 and watchdog.closed
     assert [r.getMessage() for r in caplog.records] == [
         f"mindmon: the peer watchdog is off: rank 0 cannot listen at 127.0.0.1:{port} (Address already in use)"]

@@ -2,28 +2,28 @@
 
     watchdog_peer.py RANK WORLD HOST PORT SILENCE STEPS
 
-Writes steps 1..STEPS (one record each) to the watchdog, prints `at step STEPS`, then waits on stdin: a
-line `close` closes the watchdog, `exit` ends without closing it, `raise` ends on an uncaught exception,
-`close in finally` closes it while an exception propagates.
+Moves through steps 1..STEPS (as a training loop's events do), prints `at step STEPS`, then waits on stdin: a
+line `close` stops the watchdog, `exit` ends without stopping it, `raise` ends on an uncaught exception,
+`close in finally` stops it while an exception propagates.
 """
 import logging
 import sys
 
 from mindmon.engine import RunInfo
 from mindmon.parallel.watchdog import PeerWatchdog
-from mindmon.records import Record
+from mindmon.progress import DATA, PROGRESS
 
 
 def main(rank: int, world: int, host: str, port: int, silence: float, steps: int) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
     watchdog = PeerWatchdog(rank, world, (host, port), logging.getLogger("mindmon"), silence=silence)
-    watchdog.open(RunInfo(rank))
+    watchdog.start(RunInfo(rank))
     for step in range(1, steps + 1):
-        watchdog.write([Record(step, None, rank, "loss", "loss", 1.0)])
+        PROGRESS.enter(step + 1, DATA)   # step `step` written
     print(f"at step {steps}", flush=True)
     command = sys.stdin.readline().strip()
     if command == "close":
-        watchdog.close()
+        watchdog.stop()
         print("closed", flush=True)
     elif command == "raise":
         raise RuntimeError("this rank failed")
@@ -31,7 +31,7 @@ def main(rank: int, world: int, host: str, port: int, silence: float, steps: int
         try:
             raise RuntimeError("this rank failed")
         finally:
-            watchdog.close()
+            watchdog.stop()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink
+from mindmon.engine import RunInfo, Service
 from mindmon.formats.layout import rank_dir
 from mindmon.progress import DATA, PHASES, PROGRESS, Place
 
@@ -143,9 +143,9 @@ def hang_summary(places: Dict[int, Place]) -> Tuple[Tuple[int, str], List[int], 
     return majority, odd, ", ".join(parts + [where(majority, groups[majority], "")])
 
 
-class PeerWatchdog(Sink):
-    """A sink only for its place in the group's life: `open` starts the thread, `write` notes the step
-    (one attribute set, no I/O), `close` says goodbye and stops the thread."""
+class PeerWatchdog(Service):
+    """The group starts it when it opens (its thread begins beating or listening) and stops it when it closes
+    (a goodbye, then the thread ends). It reads where training is from mindmon.progress, never from records."""
 
     def __init__(self, rank: int, world: int, address: Tuple[str, int], logger, silence: float = SILENCE,
                  interval: float = INTERVAL, startup: float = STARTUP, hang_after: Optional[float] = None,
@@ -153,7 +153,7 @@ class PeerWatchdog(Sink):
         self.rank, self.world, self.address, self.logger = rank, world, address, logger
         self.silence, self.interval, self.startup = silence, interval, startup
         self.hang_after, self.output_dir, self.on_hang = hang_after, output_dir, on_hang
-        self.step = 0
+        self.start_step = 0
         self.hangs: List[str] = []   # the hang lines this rank logged, in order
         self.verdict: Optional[str] = None   # the line logged, once
         self.on_lost: Optional[Callable[[List[int], str], None]] = None   # rank 0: (lost ranks, line)
@@ -167,33 +167,35 @@ class PeerWatchdog(Sink):
         """What both ends must agree on: another job's server at the same address is not this one's."""
         return f"{self.address[0]}:{self.address[1]}:{self.world}"
 
-    def open(self, run: RunInfo) -> None:
+    @property
+    def step(self) -> int:
+        """The last step written: the one before the step in progress."""
+        return max(self.start_step, PROGRESS.place.step - 1)
+
+    def start(self, run: RunInfo) -> None:
         global _watching
         if self._thread is not None or (_watching is not None and not _watching.closed):
             return   # one watchdog a process: a second group in it (or a second open) adds nothing
         _watching = self
-        self.step = run.start_step
+        self.start_step = run.start_step
         self._side = _Server(self) if self.rank == HOST_RANK else _Client(self)
         self._thread = threading.Thread(target=self._guarded, args=(self._side.run,), name="mindmon-peer-watchdog",
                                         daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
 
-    def write(self, records) -> None:
-        try:
-            step = records[-1].step if len(records) else None
-        except Exception:   # a batch that is not a list of records: the step stays as it was
-            return
-        if isinstance(step, int) and step > self.step:
-            self.step = step
+    @property
+    def closed(self) -> bool:
+        return self._stopping.is_set()
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """Called while an exception is on its way out (a `finally:` or `except:` around training), this
         rank is leaving the others waiting: it ends without a goodbye, so they name it."""
+        if self.closed:
+            return
         self.goodbye = sys.exc_info()[1] is None
         self._stop()
         atexit.unregister(self._at_exit)
-        super().close()
 
     def _at_exit(self) -> None:
         """A program that ends without `close()` still says goodbye, unless it ends on an uncaught
