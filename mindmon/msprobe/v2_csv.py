@@ -11,6 +11,11 @@ A file holds `step_count_per_record` steps, counted from `start_step`. Header an
 `micro_step` is in the weight_grad and module files (1-based, as monitor_v2 counts); the statistics are
 the monitor's `ops`, each the float32 value written as Python writes a float (msprobe stacks float32
 results). A slug's header is fixed by its first file; later files keep it.
+
+`mean` is rounded as msprobe's `mint.mean` of a float32 tensor rounds it on MindSpore's CPU kernel: the
+sum rounded to float32, then divided by the element count in float32 (`msprobe_mean`). The statistics
+keep the mean as sum / count in float64; the sum is that times the count, whose float32 rounding is the
+sum's unless the sum lies within 2**-53 of a float32 rounding boundary.
 """
 import csv
 import logging
@@ -68,6 +73,15 @@ def float32_value(value: float) -> float:
     return float(np.float32(value))
 
 
+def msprobe_mean(mean: float, shape: Sequence[int]) -> float:
+    """A float64 mean as msprobe writes it: float32(sum) / float32(count), divided in float32."""
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0 or not np.isfinite(mean):
+        return float32_value(mean)
+    with np.errstate(over="ignore"):
+        return float(np.float32(np.float32(mean * count) / np.float32(count)))
+
+
 class MonitorV2CsvSink(Sink):
     """Writes the records of mindmon's tensor statistics as monitor_v2's CSV files. `ops`: each slug's
     statistics (a record holds every slug's); `grad_acc_steps`: the micro-step of a step's summed and
@@ -103,6 +117,8 @@ class MonitorV2CsvSink(Sink):
         fields["vpp_stage"] = vpp_stage(fields["module_name"])
         stats = dict(zip(record.ops, record.value))
         fields.update((op, float32_value(stats.get(op, float("nan")))) for op in self.ops[slug])
+        if "mean" in fields:
+            fields["mean"] = msprobe_mean(stats.get("mean", float("nan")), record.shape)
         fields["step"] = record.step - 1   # records count from 1; monitor_v2 from 0
         return slug, fields["step"], fields
 
