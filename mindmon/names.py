@@ -1,4 +1,4 @@
-"""Parameter names for a plain loop: the model's own names, in the order the optimizer holds them.
+"""Names in a model: its parameters' names in the order the optimizer holds them, and its cells by a pattern.
 
 mindmon records one value per gradient, and the gradients come in `optimizer.parameters` order, so
 the names must come in that order too. `Parameter.name` is the name in a MindSpore Cell built the
@@ -8,7 +8,10 @@ ids as `name`, and only the model's traversal knows `model.layers.0.self_attn.q_
 Example:
     group = build_group(config, model=net, parameter_names=parameter_names(net, optimizer))
 """
-from typing import List, Sequence
+import re
+from typing import List, Sequence, Tuple
+
+from mindmon.compat import named_cells
 
 
 def _named_parameters(model):
@@ -31,3 +34,15 @@ def names_in_model(model, parameters: Sequence) -> List[str]:
     for name, parameter in _named_parameters(model):
         by_identity.setdefault(id(parameter), name)   # a shared (tied) parameter keeps its first name
     return [by_identity.get(id(parameter), parameter.name) for parameter in parameters]
+
+
+def cells_matching(model, pattern: str, what: str) -> List[Tuple[str, object]]:
+    """(name, cell) for every cell (or mindnlp module) whose full name matches `pattern` (re.search), in model
+    order; none matching raises ValueError naming `what` and a few of the model's cell names."""
+    regex = re.compile(pattern)
+    cells = [(name, cell) for name, cell in named_cells(model) if name and regex.search(name)]
+    if not cells:
+        examples = [name for name, _ in named_cells(model) if name][:6]
+        raise ValueError(f"{what}: the pattern {pattern!r} matches no cell of {type(model).__name__}; "
+                         f"allowed: a regular expression over cell names such as {examples}")
+    return cells

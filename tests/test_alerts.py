@@ -222,7 +222,7 @@ def test_analysis_orders_first_in_time_across_ranks(tmp_path):
         (tmp_path / "anomaly_detected" / f"rank{rank}").mkdir(parents=True)
         (tmp_path / "anomaly_detected" / f"rank{rank}" / "anomaly.json").write_text(json.dumps(entries))
     # step 2: micro 0 (e) < micro 1 forward (b) < micro 1 gradients (d) < step-level (c); then step 3 (a), step 5 (f)
-    run = subprocess.run([sys.executable, "-m", "mindmon.anomaly_processor", "-d", str(tmp_path), "-k", "5"],
+    run = subprocess.run([sys.executable, "-m", "mindmon.msprobe.anomaly_processor", "-d", str(tmp_path), "-k", "5"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert run.returncode == 0, run.stderr
     assert list(_read(tmp_path / "anomaly_detected" / "anomaly_analyse.json")) == ["e", "b", "d", "c", "a"]

@@ -7,7 +7,7 @@ import pytest
 from mindspore import nn
 
 from mindmon.probes import attach_tokens_per_expert_probes
-from mindmon.cells import named_cells
+from mindmon.names import cells_matching
 
 pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9
 
@@ -29,7 +29,7 @@ class Blocks(nn.Cell):
 
 def test_a_pattern_matching_nothing_lists_the_first_six_cell_names():
     with pytest.raises(ValueError) as error:
-        named_cells(Blocks(), r"attention$", "probe")
+        cells_matching(Blocks(), r"attention$", "probe")
     assert str(error.value) == ("probe: the pattern 'attention$' matches no cell of Blocks; allowed: a regular "
                                 "expression over cell names such as ['layers', 'layers.0', 'layers.1', "
                                 "'layers.2', 'layers.3', 'layers.4']")
@@ -37,8 +37,8 @@ def test_a_pattern_matching_nothing_lists_the_first_six_cell_names():
 
 def test_named_cells_are_the_matching_ones_in_model_order():
     model = Blocks()
-    assert [name for name, _ in named_cells(model, r"layers\.[357]$", "probe")] == ["layers.3", "layers.5", "layers.7"]
-    assert named_cells(model, r"^layers$", "probe") == [("layers", model.layers)]
+    assert [name for name, _ in cells_matching(model, r"layers\.[357]$", "probe")] == ["layers.3", "layers.5", "layers.7"]
+    assert cells_matching(model, r"^layers$", "probe") == [("layers", model.layers)]
 
 
 class Router(nn.Cell):

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from mindmon.cells import named_cells
+from mindmon.names import cells_matching
 
 LAYOUTS = ("BNSD", "BSND", "BSH", "TH")
 
@@ -169,9 +169,9 @@ def attach_max_logit_probes(model, cells: str, num_heads: int, layout: str = "BN
     to 1/sqrt(head_dim). The probe recomputes QK^T (one extra matmul per attention call)."""
     _check_layout(layout)
     probes = [MaxLogitProbe(name, model, num_heads, layout, mask_input, causal, scale, num_kv_heads)
-              for name, _ in named_cells(model, cells, "attach_max_logit_probes")]
+              for name, _ in cells_matching(model, cells, "attach_max_logit_probes")]
     attached = _install(model, probes)
-    for probe, (_, cell) in zip(probes, named_cells(model, cells, "attach_max_logit_probes")):
+    for probe, (_, cell) in zip(probes, cells_matching(model, cells, "attach_max_logit_probes")):
         probe.attach(cell)
     return attached
 

@@ -28,7 +28,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from mindmon.cells import named_cells
+from mindmon.names import cells_matching
 from mindmon.compat import with_device_of
 
 SELECTIONS = ("topk", "indices", "grouped", "mask")
@@ -181,7 +181,7 @@ def attach_tokens_per_expert_probes(model, routers: str, num_experts: int, topk:
     (`decoder.layers.<L>`, `model.layers.<L>`, `mtp.layers.<i>`, or `monitor.moe_monitor.layer_pattern`)."""
     _check(num_experts, topk, selection, (num_groups, topk_groups))
     probes = []
-    for name, cell in named_cells(model, routers, "attach_tokens_per_expert_probes"):
+    for name, cell in cells_matching(model, routers, "attach_tokens_per_expert_probes"):
         if getattr(cell, "tokens_per_expert", None) is not None:
             raise ValueError(f"{type(cell).__name__} already counts tokens_per_expert; attach no probe to it")
         if selection == "grouped" and getattr(cell, bias, None) is None:

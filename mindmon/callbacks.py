@@ -1,14 +1,16 @@
 """Training callbacks with the MindFormers TrainerCallback events, and `ModelMonitorCallback` for
-`mindspore.train.Model` (loaded on first use: importing this package does not import MindSpore).
+`mindspore.train.Model` (loaded on first use: importing this module does not import MindSpore).
 
-They live in `mindmon.callbacks`, not in a top-level `callbacks` package, because many training
+They live in `mindmon.callbacks`, not in a top-level `callbacks` module, because many training
 repositories have a `callbacks.py` of their own next to the launch script, which would shadow it.
 """
 from mindmon.features.max_logits.callback import MaxLogitsMonitor
 from mindmon.features.profiler.callback import ProfilerCallback
 from mindmon.trainer_callbacks import MonitorCallback, TrainerCallback
 
-__all__ = ["MaxLogitsMonitor", "ModelMonitorCallback", "MonitorCallback", "ProfilerCallback", "TrainerCallback"]
+# ModelMonitorCallback is given by __getattr__ below: importing it imports MindSpore.
+__all__ = ["MaxLogitsMonitor", "ModelMonitorCallback",  # noqa: F822
+           "MonitorCallback", "ProfilerCallback", "TrainerCallback"]
 
 
 def __getattr__(name):
