@@ -20,14 +20,14 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from mindmon.config.checks import (check_bool, check_directory, check_keys, check_one_of, is_int,
-                                   parse_ranks, type_error, value_error)
+from mindmon.config.checks import check_bool, check_directory, check_keys, type_error, value_error
+from mindmon.config.fields import (Section, boolean, custom, directory, integer, keys_of, nested, one_of,
+                                   parse_settings, ranks, section_dict, setting)
 
 DEFAULT_OUTPUT_DIR = "./output/monitor"
 # MindFormers' own monitor keys, handed to the stock config unchanged (1.9.0 accepts them);
 # mindmon also reads `tensorboard` (TensorBoardConfig).
 PASSTHROUGH_MONITOR_KEYS = ("health_checkpoint", "tensorboard")
-MONITOR_KEYS = ("output_dir", "ranks", "data_parallel_group", "metrics_formats", "tensorboard_tags")
 METRICS_FORMATS = ("jsonl", "parquet")
 
 
@@ -35,8 +35,17 @@ METRICS_FORMATS = ("jsonl", "parquet")
 MAX_TENSORBOARD_QUEUE = 1_000_000
 
 
+def _tensorboard_dir(path: str, value: Any) -> str:
+    allowed = 'a directory path, or "" (off)'
+    if value:
+        return check_directory(path, value, allowed)
+    if value not in (None, ""):
+        raise type_error(path, value, allowed)
+    return ""
+
+
 @dataclass(frozen=True)
-class TensorBoardConfig:
+class TensorBoardConfig(Section):
     """`monitor.tensorboard`: MindFormers' own key, which its 1.9.0 PyNative Trainer accepts but
     never acts on; mindmon honours it. A non-empty `tensorboard_dir` switches the sink on, with
     event files in `<tensorboard_dir>/rank_<r>/`.
@@ -45,75 +54,44 @@ class TensorBoardConfig:
         TensorBoardConfig.parse("monitor.tensorboard", {"tensorboard_dir": "./output/tensorboard"}).enabled  # True
     """
 
-    tensorboard_dir: str = ""
-    tensorboard_log_interval: int = 1
-    tensorboard_queue_size: int = 1000
+    tensorboard_dir: str = setting("", custom("str", _tensorboard_dir), shown_default='`""` (off)')
+    """Non-empty = on; events go to `<tensorboard_dir>/rank_<r>/`."""
 
-    KEYS = ("tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size")
+    tensorboard_log_interval: int = setting(1, integer(1, None, "a positive int", kind="positive int"))
+    """Write the steps that are multiples of N (the JSONL keeps every step)."""
+
+    tensorboard_queue_size: int = setting(1000, integer(1, MAX_TENSORBOARD_QUEUE,
+                                                        f"a positive int up to {MAX_TENSORBOARD_QUEUE}"))
+    """Events held in memory before they are written; a step's events are written at its end in one write
+    anyway (a step with more is written in parts, and a failed write still cuts the file back to the last
+    whole step)."""
 
     @property
     def enabled(self) -> bool:
         return bool(self.tensorboard_dir)
-
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "TensorBoardConfig":
-        section = check_keys(path, section, cls.KEYS)
-        directory = section.get("tensorboard_dir", "")
-        if directory:
-            directory = check_directory(f"{path}.tensorboard_dir", directory, 'a directory path, or "" (off)')
-        elif directory not in (None, ""):
-            raise type_error(f"{path}.tensorboard_dir", directory, 'a directory path, or "" (off)')
-        out = {"tensorboard_dir": directory or ""}
-        for key, most in (("tensorboard_log_interval", None), ("tensorboard_queue_size", MAX_TENSORBOARD_QUEUE)):
-            if key in section:
-                value = section[key]
-                allowed = "a positive int" + (f" up to {most}" if most else "")
-                if not is_int(value):
-                    raise type_error(f"{path}.{key}", value, allowed)
-                if value <= 0 or (most and value > most):
-                    raise value_error(f"{path}.{key}", value, allowed)
-                out[key] = value
-        return cls(**out)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.KEYS}
 
 
 TENSORBOARD_DETAILS = ("layer", "parameter")
 
 
 @dataclass(frozen=True)
-class TensorBoardTagsConfig:
+class TensorBoardTagsConfig(Section):
     """`monitor.tensorboard_tags`: which tags the TensorBoard sink writes. mindmon's own key, next to
     `monitor.tensorboard` rather than in it: MindFormers gets `monitor.tensorboard` as it is, and refuses a
     key it does not know there.
-
-    `detail: layer` (the default) writes the per-parameter gradient norms (`local_norm`, `micro_norm`,
-    `device_norm`) one curve per layer (mindmon.sinks.tensorboard.layer_of) and leaves out rank 0's
-    per-parameter cross-rank columns; `parameter` writes one curve per parameter and every column.
-    `vs_samples: true` adds each tag's `<tag>_vs_samples` copy against the samples consumed.
 
     Example:
         TensorBoardTagsConfig.parse("monitor.tensorboard_tags", {"detail": "parameter"}).vs_samples   # False
     """
 
-    detail: str = "layer"
-    vs_samples: bool = False
+    detail: str = setting("layer", one_of(TENSORBOARD_DETAILS))
+    """`layer`: `local_norm`, `micro_norm`, `device_norm` one curve per layer (a parameter's layer: its name
+    up to and including the first numeric component, `decoder.layers.3`; a parameter outside numbered layers
+    is its own group), and no per-parameter `across_ranks` columns; `parameter`: a curve per parameter and
+    every column."""
 
-    KEYS = ("detail", "vs_samples")
-
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "TensorBoardTagsConfig":
-        section = check_keys(path, section, cls.KEYS)
-        out = {}
-        if "detail" in section:
-            out["detail"] = check_one_of(f"{path}.detail", section["detail"], TENSORBOARD_DETAILS)
-        if "vs_samples" in section:
-            out["vs_samples"] = check_bool(f"{path}.vs_samples", section["vs_samples"])
-        return cls(**out)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.KEYS}
+    vs_samples: bool = setting(False, boolean())
+    """Every tag also as `<tag>_vs_samples`, against the samples consumed (Megatron's `<tag> vs samples`)."""
 
 
 class _Sections:
@@ -132,19 +110,45 @@ class _Sections:
         return {name: d for name, d in out.items() if d is not None}
 
 
+def _data_parallel_group(path: str, value: Any) -> Optional[str]:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise type_error(path, value, "None (the world) or a communication group name")
+    return value
+
+
 @dataclass(frozen=True)
 class MonitorConfig(_Sections):
     """The `monitor` section: where mindmon writes its files, which ranks collect (None = all), the
     data-parallel group values are reduced over (None = world), TensorBoard, and the features' sections
     under `monitor:` (`train_state`, `moe_monitor`, `tensor_stats`, `alert`), by key."""
 
-    output_dir: str = DEFAULT_OUTPUT_DIR
-    tensorboard: TensorBoardConfig = TensorBoardConfig()
-    ranks: Optional[Tuple[int, ...]] = None
-    data_parallel_group: Optional[str] = None
+    output_dir: str = setting(DEFAULT_OUTPUT_DIR, directory("a non-empty directory path"))
+    """Where `rank_<r>/metrics.jsonl` goes (relative to the working directory)."""
+
+    tensorboard: TensorBoardConfig = setting(TensorBoardConfig(), nested(TensorBoardConfig), shown_default="off")
+    """MindFormers' own key, honoured by mindmon: see `monitor.tensorboard` (also passed to MindFormers
+    unchanged)."""
+
+    ranks: Optional[Tuple[int, ...]] = setting(None, ranks(), shown_default="`None` (all)")
+    """Which ranks collect `train_state` and `moe_monitor` (msprobe's `module_ranks`); other ranks build no
+    monitor."""
+
+    data_parallel_group: Optional[str] = setting(None, custom("str or None", _data_parallel_group),
+                                                 shown_default="`None` (the world)")
+    """Communication group for the gradient mean and the cross-rank values (on Ascend: your data-parallel
+    group); a name MindSpore does not know is a `ConfigError` once communication is initialised."""
+
     sections: Mapping[str, Any] = field(default_factory=dict)
-    metrics_formats: Tuple[str, ...] = ("jsonl",)   # rank_<r>/metrics.jsonl and/or rank_<r>/metrics.parquet
-    tensorboard_tags: TensorBoardTagsConfig = TensorBoardTagsConfig()
+
+    metrics_formats: Tuple[str, ...] = setting(("jsonl",), custom(
+        f"list of {', '.join(f'`{f}`' for f in METRICS_FORMATS)} (or one name)", lambda p, v: parse_metrics_formats(p, v)))
+    """The per-rank record files: `rank_<r>/metrics.jsonl` and/or `rank_<r>/metrics.parquet` (docs/outputs.md,
+    "Columnar"); `parquet` needs `pip install 'mindmon[analysis]'` (without it, a `ConfigError` naming this
+    key before step 1)."""
+
+    tensorboard_tags: TensorBoardTagsConfig = setting(TensorBoardTagsConfig(), nested(TensorBoardTagsConfig),
+                                                      shown_default="`{detail: layer, vs_samples: false}`")
+    """Which TensorBoard tags mindmon writes: see `monitor.tensorboard_tags`."""
 
     def selects_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -155,28 +159,17 @@ class MonitorConfig(_Sections):
         return any(s is not None and s.active for s in self.sections.values())
 
     @classmethod
-    def parse(cls, section: Any, features: Sequence[Any], path: str = "monitor") -> "MonitorConfig":
+    def parse(cls, path: str, raw: Any, features: Sequence[Any] = ()) -> "MonitorConfig":
+        """Its own keys, MindFormers' passed-through ones, and the section of each feature under `path`."""
         own = [f for f in features if f.path and f.path.startswith(path + ".")]
         keys = {f.path[len(path) + 1:]: f for f in own}
-        section = check_keys(path, section, MONITOR_KEYS + tuple(keys) + PASSTHROUGH_MONITOR_KEYS)
-        output_dir = check_directory(f"{path}.output_dir", section.get("output_dir", DEFAULT_OUTPUT_DIR),
-                                     "a non-empty directory path")
-        group = section.get("data_parallel_group")
-        if group is not None and (not isinstance(group, str) or not group):
-            raise type_error(f"{path}.data_parallel_group", group, "None (the world) or a communication group name")
-        tensorboard = TensorBoardConfig.parse(f"{path}.tensorboard", section.get("tensorboard"))
-        ranks = parse_ranks(f"{path}.ranks", section.get("ranks"))
+        own_keys = tuple(k for k in keys_of(cls) if k not in PASSTHROUGH_MONITOR_KEYS)
+        section = check_keys(path, raw, own_keys + tuple(keys) + PASSTHROUGH_MONITOR_KEYS)
         sections = {f.name: f.parse(f.path, section.get(key)) for key, f in keys.items()}
-        formats = parse_metrics_formats(f"{path}.metrics_formats", section.get("metrics_formats", ["jsonl"]))
-        tags = TensorBoardTagsConfig.parse(f"{path}.tensorboard_tags", section.get("tensorboard_tags"))
-        return cls(output_dir, tensorboard, ranks, group, sections, formats, tags)
+        return cls(**parse_settings(cls, path, section), sections=sections)
 
     def to_dict(self) -> dict:
-        return {"output_dir": self.output_dir, "tensorboard": self.tensorboard.to_dict(),
-                "tensorboard_tags": self.tensorboard_tags.to_dict(),
-                "ranks": list(self.ranks) if self.ranks is not None else None,
-                "data_parallel_group": self.data_parallel_group, "metrics_formats": list(self.metrics_formats),
-                **self.section_dicts()}
+        return {**section_dict(self), **self.section_dicts()}
 
 
 @dataclass(frozen=True)
@@ -204,24 +197,16 @@ class MindmonConfig(_Sections):
 
 
 @dataclass(frozen=True)
-class OnOffSection:
-    """A feature's section that only switches it on: `{enabled: true}` (subclasses document the feature)."""
+class OnOffSection(Section):
+    """A feature's section that only switches it on: `{enabled: true}` (subclasses document the feature
+    in their own `enabled` docstring)."""
 
-    enabled: bool = False
-
-    KEYS = ("enabled",)
+    enabled: bool = setting(False, boolean())
+    """Switches the feature on."""
 
     @property
     def active(self) -> bool:
         return self.enabled
-
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "OnOffSection":
-        section = check_keys(path, section, cls.KEYS)
-        return cls(check_bool(f"{path}.enabled", section.get("enabled", False)))
-
-    def to_dict(self) -> dict:
-        return {"enabled": self.enabled}
 
 
 def parse_metrics_formats(path: str, value: Any) -> Tuple[str, ...]:
@@ -273,7 +258,7 @@ def parse_config(raw: Dict[str, Any], features: Sequence[Any]) -> MindmonConfig:
     if isinstance(training, dict) and "max_norm" in training:
         check_max_norm(training["max_norm"])
     optimizer = raw.get("optimizer")
-    monitor = MonitorConfig.parse(raw.get("monitor"), features)
+    monitor = MonitorConfig.parse("monitor", raw.get("monitor"), features)
     callbacks = parse_callbacks(raw.get("callbacks"))
     top = {f.name: f.parse(f.path, callbacks if f.path == "callbacks" else raw.get(f.path))
            for f in features if f.path and "." not in f.path}
