@@ -1,8 +1,9 @@
 """Batched tensor statistics with no host sync per tensor.
 
 On CPU, `Tensor.asnumpy()` returns a view of the tensor's memory, so squared norms are taken in
-numpy: no kernel dispatch per parameter. Elsewhere they are reduced on the device, stacked into
-one tensor per call and copied to the host once, when `results()` is read at flush.
+numpy: no kernel dispatch per parameter. Elsewhere the tensors of one call are reduced on the device
+together, in a few MindSpore operations whatever their number (`mindmon/kernels/device.py`), and
+copied to the host once, when `results()` is read at flush.
 
 Example:
     norms = SquaredNorms(on_host=True)
@@ -18,6 +19,7 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.compat import dtype_name, is_float32, mindspore_types
+from mindmon.kernels.device import DeviceRows, device_squared_norms, read_all
 from mindmon.kernels.one_pass import add_and_squares, prepare
 
 
@@ -233,9 +235,7 @@ class SquaredNorms:
         if self.on_host or isinstance(tensors[0], np.ndarray):
             self._pending[key] = np.array([_squared_norm(host_array(t)) for t in tensors], dtype=np.float64)
         else:
-            from mindspore import mint, ops
-
-            self._pending[key] = ops.stack([mint.sum(mint.square(t.float())) for t in tensors])
+            self._pending[key] = device_squared_norms(tensors)
 
     def put(self, key: Hashable, squared_norms: np.ndarray) -> None:
         """`key` gets squared norms taken elsewhere (the training step's host buffer, while adding)."""
@@ -249,15 +249,9 @@ class SquaredNorms:
     def results(self) -> Dict[Hashable, np.ndarray]:
         """Every key's squared norms as float64 arrays; the device tensors of all keys reach the host in
         one transfer (an aliased one once)."""
-        device = list({id(v): v for v in self._pending.values() if not isinstance(v, np.ndarray)}.values())
-        host = {}
-        if device:
-            from mindspore import ops
-
-            copied = ops.concat(device).asnumpy().astype(np.float64)
-            parts = np.split(copied, np.cumsum([int(v.shape[0]) for v in device])[:-1])
-            host = {id(v): part for v, part in zip(device, parts)}
-        return {key: value if isinstance(value, np.ndarray) else host[id(value)]
+        device = list({id(v): v for v in self._pending.values() if isinstance(v, DeviceRows)}.values())
+        host = {id(v): rows for v, rows in zip(device, read_all(device))}
+        return {key: host[id(value)] if isinstance(value, DeviceRows) else value
                 for key, value in self._pending.items()}
 
     def clear(self) -> None:

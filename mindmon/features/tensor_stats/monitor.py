@@ -12,8 +12,9 @@ On CPU they are taken right away, in one compiled pass over the tensor's memory 
 with synchronous execution from the data pointer, else through `asnumpy()`, a view). A float32 tensor
 of more than 4096 elements is summed in float32 blocks added in float64 (relative error about 1e-7, the
 precision of the data), anything smaller in float64.
-Elsewhere each tensor's statistics are reduced on the device into one small vector, the vectors of a
-collection point are stacked, and the host reads everything once, at `collect`.
+Elsewhere the tensors of a collection point are reduced on the device together, in a number of
+MindSpore operations that does not grow with the number of tensors (`mindmon/kernels/device.py`), and
+the host reads everything once, at `collect`.
 
 A collection point (`param_origin`, `grad_reduced`, ...) becomes one `TensorStatsRecord` per tensor:
 kind = the point's name (the CSV file prefix), name = the tensor's name, value = the statistics in
@@ -34,6 +35,7 @@ from mindmon.compat import dtype_name, is_float32
 from mindmon.engine import Monitor
 from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, POINTS)
 from mindmon.records import Record, TensorStatsRecord
+from mindmon.kernels.device import EMPTY_STATISTICS, DeviceRows, device_statistics, read_all
 from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at, row_reductions_at
 from mindmon.kernels.stats import (SMALL, StepDirectViews, direct_view, element_count, float32_memories,
                                    float32_runs, host_array)
@@ -47,7 +49,7 @@ def numpy_stats(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool =
     too); data that is not float32/float64 is taken as float64 first."""
     size = flat.size
     if not size:
-        return [_EMPTY[op] for op in ops]
+        return [EMPTY_STATISTICS[op] for op in ops]
     if flat.dtype == np.float32:
         row = _float32_row(flat, ops, eps, scalar)
         if row is not None:
@@ -77,11 +79,6 @@ def _float32_row(flat: np.ndarray, ops: Sequence[str], eps: float, scalar: bool)
     table = np.array([0, flat.ctypes.data, flat.size, scalar], dtype=np.int64)
     rows, redo = reductions_at(table, eps, SMALL, statistic_codes(ops), 1)
     return None if redo.size else rows[0].tolist()
-
-
-# An empty tensor: no element to take a min, max or mean of; nothing is zero, NaN or large.
-_EMPTY = {"min": math.nan, "max": math.nan, "mean": math.nan, "zeros": math.nan, "norm": 0.0, "nans": 0.0,
-          "id": math.nan}
 
 
 def _root(squared: float, flat: np.ndarray) -> float:
@@ -179,36 +176,6 @@ def statistic_codes(ops: Sequence[str]) -> np.ndarray:
     return codes
 
 
-def device_stats(tensor, ops: Sequence[str], eps: float):
-    """The statistics of one tensor as a 1-D float32 device tensor, in `ops` order; nothing is read back.
-    MindSpore's min/max skip NaN, so a tensor holding one gets NaN explicitly, as numpy gives."""
-    from mindspore import mint, ops as msops
-    import mindspore as ms
-
-    flat = (tensor if tensor.dtype == ms.float32 else tensor.astype(ms.float32)).reshape(-1)
-    size = max(int(flat.shape[0]), 1)
-    if {"nans", "min", "max"} & set(ops):
-        nan_count = msops.isnan(flat).astype(ms.float32).sum()
-        poison = mint.sqrt(-nan_count)   # sqrt(-0) = 0, sqrt(-n) = NaN: two dispatches, no host read
-    values = []
-    for op in ops:
-        if op == "nans":
-            values.append(nan_count)
-        elif op == "zeros":
-            values.append((mint.abs(flat) < eps).astype(ms.float32).sum() / size)
-        elif op == "norm":
-            values.append(mint.sqrt(mint.sum(mint.square(flat))))
-        elif op == "id":
-            values.append(flat[0] if not tensor.shape else msops.fill(ms.float32, (), float("nan")))
-        elif op == "min":
-            values.append(flat.min() + poison)
-        elif op == "max":
-            values.append(flat.max() + poison)
-        elif op == "mean":
-            values.append(flat.mean())
-    return msops.stack(values)
-
-
 class HostTensor:
     """An array already in host memory, standing for a tensor of MindSpore dtype `dtype` (e.g. a sum of
     gradients kept in float64 numpy)."""
@@ -285,7 +252,7 @@ class _Batch:
     def __init__(self):
         self.names: List[str] = []
         self.layouts: List[tuple] = []
-        self.values: List[object] = []   # float64 arrays [tensors, ops], or device tensors
+        self.values: List[object] = []   # float64 arrays [tensors, ops], or DeviceRows
         self.waiting: List[object] = []
 
 
@@ -342,9 +309,7 @@ class TensorStats:
         """(values, layouts) of tensors, as `_Batch` keeps them."""
         if self.on_host:
             return host_statistics(tensors, self.ops, self.eps, self.direct_views.allowed())
-        from mindspore import ops as msops
-
-        return msops.stack([device_stats(t, self.ops, self.eps) for t in tensors]), [(t.shape, t.dtype) for t in tensors]
+        return device_statistics(tensors, self.ops, self.eps), [(t.shape, t.dtype) for t in tensors]
 
     def _take_waiting(self) -> None:
         """The statistics of every batch's waiting tensors, in one compiled call; the tensors let go."""
@@ -390,16 +355,11 @@ class TensorStats:
         """Everything gathered, per (point, micro_step, ops) in the order first seen: statistics as float64
         arrays [tensors, ops], layouts as `layout` gives them; one host transfer at most."""
         self._take_waiting()
-        device = [v.reshape(-1) for batch in self._batches.values() for v in batch.values
-                  if not isinstance(v, np.ndarray)]
-        if device:
-            from mindspore import ops as msops
-
-            host = iter(np.split(msops.concat(device).asnumpy().astype(np.float64),
-                                 np.cumsum([int(v.shape[0]) for v in device])[:-1]))
+        host = iter(read_all([v for batch in self._batches.values() for v in batch.values
+                              if isinstance(v, DeviceRows)]))
         gathered = []
         for (point, micro_step, ops), batch in self._batches.items():
-            values = [v if isinstance(v, np.ndarray) else next(host).reshape(-1, len(ops)) for v in batch.values]
+            values = [next(host) if isinstance(v, DeviceRows) else v for v in batch.values]
             gathered.append(Gathered(point, micro_step, batch.names, layouts(batch.layouts),
                                      values[0] if len(values) == 1 else np.concatenate(values), ops))
         return gathered

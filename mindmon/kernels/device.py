@@ -1,0 +1,235 @@
+"""Statistics of many tensors reduced on the device in a number of MindSpore operations that does not grow
+with the number of tensors.
+
+Off the CPU a statistic is a MindSpore operation dispatched from Python, and the host's dispatch rate
+bounds the step: one operation per tensor per statistic is tens of thousands a step for a model of a few
+hundred tensors. Here the tensors of one call are flattened (views), concatenated once per dtype (cast to
+float32 once), and reduced by segment reductions: `unsorted_segment_sum` of the columns every statistic
+needs (the values, their squares, NaN flags, small-magnitude flags) and `unsorted_segment_min/max`. What
+is left is finished on the host from a few numbers per tensor, after the one transfer of the step
+(`read_all`): mean = sum / size, norm = sqrt(sum of squares), min/max NaN when the tensor holds a NaN,
+empty tensors as the host path gives them.
+
+The sums are taken in `LEVELS` levels: MindSpore's segment sum adds a segment's elements one after another
+in float32, whose rounding grows with the segment (about 1e-3 relative for two million elements, measured
+on MindSpore 2.9 CPU); groups of at most `group_size` elements of one tensor are summed first, then groups
+of those sums, then each tensor's, keeping float32 precision. Segment ids depend only on the tensors' sizes: they are built
+on the host once per set of sizes and kept (a host-to-device copy, no operation dispatched).
+
+Operations per call and dtype group (each one kernel launch): a concatenation (not for a single tensor),
+a cast (not for float32), then per `ops`: square for `norm`; isnan + cast for `nans`, `min`, `max`; abs +
+less + cast for `zeros`; a stack of the columns when more than one; `LEVELS` segment sums; one segment min and
+one segment max when asked. Reshaping a contiguous tensor into its flat view launches no kernel.
+"""
+import math
+from collections import OrderedDict
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+# An empty tensor: no element to take a min, max or mean of; nothing is zero, NaN or large.
+EMPTY_STATISTICS = {"min": math.nan, "max": math.nan, "mean": math.nan, "zeros": math.nan, "norm": 0.0,
+                    "nans": 0.0, "id": math.nan}
+
+# Levels of the sums: elements -> blocks -> blocks of blocks -> tensors.
+LEVELS = 3
+# Fewest members of a group at one level (the group grows with the largest tensor, so that every level
+# adds at most about a thousand numbers one after another for tensors of up to a billion elements).
+MIN_GROUP = 16
+
+
+def group_size(largest: int) -> int:
+    """Members per group at each level: at least `MIN_GROUP`, about the cube root of the largest tensor,
+    a power of two."""
+    root = round(max(largest, 1) ** (1 / LEVELS)) + 1
+    return max(MIN_GROUP, 1 << (root - 1).bit_length())
+
+
+class SegmentIds:
+    """The segment ids of one set of tensor sizes, on the device: per level of the sum, each member's
+    group and the number of groups (`levels`); each element's tensor for min and max (`element_tensors`)."""
+
+    def __init__(self, sizes: Tuple[int, ...], with_elements: bool):
+        from mindspore import Tensor
+
+        counts = np.array(sizes, dtype=np.int64)
+        self.group = group_size(int(counts.max()))
+        self.levels = []
+        members = counts
+        for _ in range(LEVELS - 1):
+            groups = -(-members // self.group)
+            starts = np.repeat(np.cumsum(members) - members, members)
+            group_starts = np.repeat(np.cumsum(groups) - groups, members)
+            ids = group_starts + (np.arange(int(members.sum())) - starts) // self.group
+            self.levels.append((Tensor(ids.astype(np.int32)), int(groups.sum())))
+            members = groups
+        self.levels.append((Tensor(np.repeat(np.arange(len(sizes), dtype=np.int32), members)), len(sizes)))
+        self.element_tensors = (Tensor(np.repeat(np.arange(len(sizes), dtype=np.int32), counts))
+                                if with_elements else None)
+
+
+# Segment ids kept per (sizes, min/max wanted): a step's points share a few sets of sizes (the parameters'
+# for weights, gradients and moments); activations' sizes vary with the batch.
+_IDS: "OrderedDict[Tuple[Tuple[int, ...], bool], SegmentIds]" = OrderedDict()
+_IDS_KEPT = 16
+
+
+def segment_ids(sizes: Tuple[int, ...], with_elements: bool) -> SegmentIds:
+    key = (sizes, with_elements)
+    ids = _IDS.get(key)
+    if ids is None:
+        ids = _IDS[key] = SegmentIds(sizes, with_elements)
+        if len(_IDS) > _IDS_KEPT:
+            _IDS.popitem(last=False)
+    else:
+        _IDS.move_to_end(key)
+    return ids
+
+
+class DeviceRows:
+    """Per-tensor reductions left on the device (`parts`), and how the host turns them, once read, into
+    float64 rows [tensors, columns] (`finish`)."""
+
+    def __init__(self, parts: List, finish):
+        self.parts = parts
+        self.finish = finish
+
+
+def read_all(results: Sequence[DeviceRows]) -> List[np.ndarray]:
+    """Every result's finished rows, its device parts copied to the host in one transfer (one
+    concatenation; a result given twice is read once)."""
+    unique = list({id(r): r for r in results}.values())
+    parts = [part for r in unique for part in r.parts]
+    finished: Dict[int, np.ndarray] = {}
+    if parts:
+        from mindspore import ops
+
+        flat = [part.reshape(-1) for part in parts]
+        host = ops.concat(flat).asnumpy().astype(np.float64) if len(flat) > 1 else flat[0].asnumpy().astype(np.float64)
+        pieces = iter(np.split(host, np.cumsum([int(p.shape[0]) for p in flat])[:-1]))
+        for r in unique:
+            finished[id(r)] = r.finish([next(pieces).reshape(tuple(p.shape)) for p in r.parts])
+    for r in unique:
+        if id(r) not in finished:
+            finished[id(r)] = r.finish([])
+    return [finished[id(r)] for r in results]
+
+
+def _dtype_groups(tensors: Sequence) -> List[Tuple[object, List[int]]]:
+    """Indices of the non-empty tensors, per dtype, in order of first appearance."""
+    groups: Dict[object, List[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if int(tensor.size):
+            groups.setdefault(tensor.dtype, []).append(index)
+    return list(groups.items())
+
+
+def _flat_float32(tensors: Sequence, dtype):
+    """One flat float32 tensor of `tensors` (all of `dtype`): a concatenation of their flat views, cast once."""
+    import mindspore as ms
+    from mindspore import ops
+
+    flats = [t.reshape(-1) for t in tensors]
+    flat = flats[0] if len(flats) == 1 else ops.concat(flats)
+    return flat if dtype == ms.float32 else flat.astype(ms.float32)
+
+
+def _segment_sums(columns, ids: SegmentIds):
+    """Per-tensor sums of `columns` [elements, k], level by level (see the module's text)."""
+    from mindspore import ops
+
+    for level_ids, count in ids.levels:
+        columns = ops.unsorted_segment_sum(columns, level_ids, count)
+    return columns
+
+
+# The sums a statistic needs: the values, their squares, NaN flags, |x| < eps flags.
+_SUMS_FOR = {"mean": ("values",), "id": ("values",), "norm": ("squares",), "nans": ("nans",),
+             "min": ("nans",), "max": ("nans",), "zeros": ("small",)}
+_SUMS = ("values", "squares", "nans", "small")
+
+
+def device_statistics(tensors: Sequence, ops: Sequence[str], eps: float) -> DeviceRows:
+    """The statistics (`mindmon.features.tensor_stats.monitor`'s `ops`) of each of `tensors`, reduced on the
+    device, finished on the host as float64 rows [tensors, ops] by `read_all`."""
+    from mindspore import mint
+    from mindspore import ops as msops
+    import mindspore as ms
+
+    ops = tuple(ops)
+    sums = [name for name in _SUMS if any(name in _SUMS_FOR[op] for op in ops)]
+    extremes = [op for op in ("min", "max") if op in ops]
+    parts, groups = [], []
+    for dtype, indices in _dtype_groups(tensors):
+        flat = _flat_float32([tensors[i] for i in indices], dtype)
+        sizes = tuple(int(tensors[i].size) for i in indices)
+        ids = segment_ids(sizes, bool(extremes))
+        columns = []
+        for name in sums:
+            if name == "values":
+                columns.append(flat)
+            elif name == "squares":
+                columns.append(mint.square(flat))
+            elif name == "nans":
+                columns.append(msops.isnan(flat).astype(ms.float32))
+            else:
+                columns.append((mint.abs(flat) < eps).astype(ms.float32))
+        if columns:
+            stacked = msops.stack(columns, 1) if len(columns) > 1 else columns[0].reshape(-1, 1)
+            parts.append(_segment_sums(stacked, ids))
+        for op in extremes:
+            reduce = msops.unsorted_segment_min if op == "min" else msops.unsorted_segment_max
+            parts.append(reduce(flat, ids.element_tensors, len(indices)))
+        groups.append((indices, sizes))
+    scalars = [not tuple(t.shape) for t in tensors]
+
+    def finish(host: List[np.ndarray]) -> np.ndarray:
+        rows = np.array([[EMPTY_STATISTICS[op] for op in ops]] * len(tensors), dtype=np.float64).reshape(
+            len(tensors), len(ops))
+        pieces = iter(host)
+        for indices, sizes in groups:
+            found = dict(zip(sums, next(pieces).T)) if sums else {}
+            for op in extremes:
+                found[op] = next(pieces)
+            size = np.array(sizes, dtype=np.float64)
+            poisoned = found["nans"] > 0 if "nans" in found else None
+            with np.errstate(invalid="ignore", divide="ignore"):
+                values = {"mean": lambda: found["values"] / size, "norm": lambda: np.sqrt(found["squares"]),
+                          "zeros": lambda: found["small"] / size, "nans": lambda: found["nans"],
+                          "min": lambda: np.where(poisoned, np.nan, found["min"]),
+                          "max": lambda: np.where(poisoned, np.nan, found["max"]),
+                          "id": lambda: np.where([scalars[i] for i in indices], found["values"], np.nan)}
+                for column, op in enumerate(ops):
+                    rows[indices, column] = values[op]()
+        return rows
+
+    return DeviceRows(parts, finish)
+
+
+def device_squared_norms(tensors: Sequence) -> DeviceRows:
+    """The squared L2 norm of each of `tensors`, reduced on the device; `read_all` gives float64 [tensors]."""
+    from mindspore import mint
+
+    parts, groups = [], []
+    for dtype, indices in _dtype_groups(tensors):
+        flat = _flat_float32([tensors[i] for i in indices], dtype)
+        ids = segment_ids(tuple(int(tensors[i].size) for i in indices), False)
+        parts.append(_segment_sums(mint.square(flat), ids))
+        groups.append(indices)
+
+    def finish(host: List[np.ndarray]) -> np.ndarray:
+        squared = np.zeros(len(tensors), dtype=np.float64)
+        for indices, part in zip(groups, host):
+            squared[indices] = part.reshape(-1)
+        return squared
+
+    return DeviceRows(parts, finish)
+
+
+def single_statistics(tensor, ops: Sequence[str], eps: float) -> List[float]:
+    """`device_statistics` of one tensor, read now (for tests and one-off reads)."""
+    return read_all([device_statistics([tensor], ops, eps)])[0][0].tolist()
+
+
+__all__ = ["DeviceRows", "EMPTY_STATISTICS", "group_size", "device_squared_norms", "device_statistics",
+           "read_all", "segment_ids", "single_statistics"]
