@@ -155,7 +155,6 @@ class StepWritten(StepEvent):
 
     step: int = 0
     PHASE = DATA
-    PHASE = MONITOR
 
 
 def _micro_step(context) -> int:
