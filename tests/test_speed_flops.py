@@ -261,3 +261,66 @@ def test_unknown_device_has_no_mfu_and_says_so_once(caplog):
     assert mfu(10 ** 12, 1.0, peaks[0].flops_per_second) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "CPU" in lines[0] and "peak_tflops" in lines[0], lines
+
+
+# The demo model at configs/demo.yaml's sizes, trained by a plain loop: 4 micro-batches of 2 sequences of 16.
+DEMO = {"vocab_size": 64, "hidden_size": 32, "ffn_hidden_size": 64, "num_layers": 3, "num_attention_heads": 4,
+        "seq_length": 16, "num_experts": 4, "moe_router_topk": 2, "first_moe_layer": 1, "mtp_num_layers": 1}
+DEMO_K, DEMO_MICRO_BATCH = 4, 2
+
+
+def _demo_counts():
+    """(useful, executed) FLOPs of one demo training step, from the sizes: per micro-batch the decoder sees
+    T = b*s tokens, the MTP layer T' = b*(s-1); every count is forward FLOPs x3 (forward + two gradients)."""
+    h, f, v, heads, experts, topk = (DEMO[k] for k in ("hidden_size", "ffn_hidden_size", "vocab_size",
+                                                      "num_attention_heads", "num_experts", "moe_router_topk"))
+    b, s = DEMO_MICRO_BATCH, DEMO["seq_length"]
+    decoder = (s, DEMO["num_layers"], DEMO["num_layers"] - DEMO["first_moe_layer"])   # (seq, layers, MoE layers)
+    mtp = (s - 1, 1, 1)
+    expert_per_token = 2 * h * f + 2 * f * h
+    executed = useful = 0
+    for seq, layers, moe_layers in (decoder, mtp):
+        tokens = b * seq
+        projections = 2 * tokens * h * 3 * h + 2 * tokens * h * h
+        # executed: per head (T x d)(d x T) scores and (T x T)(T x d) context over the flattened micro-batch
+        attention_run = heads * 2 * (2 * tokens * tokens * (h // heads))
+        # useful: per sequence the s(s+1)/2 query-key pairs of a causal mask, both matmuls, the full width
+        attention_useful = 2 * 2 * b * (seq * (seq + 1) // 2) * h
+        dense_mlp = (layers - moe_layers) * 2 * (2 * tokens * h * f)
+        router = moe_layers * 2 * tokens * h * experts
+        output_layer = 2 * tokens * h * v
+        mtp_projection = 2 * tokens * 2 * h * h if seq == s - 1 else 0
+        common = layers * projections + dense_mlp + router + output_layer + mtp_projection
+        executed += common + layers * attention_run + moe_layers * experts * tokens * expert_per_token
+        # each token is routed to topk distinct experts, none dropped
+        useful += common + layers * attention_useful + moe_layers * topk * tokens * expert_per_token
+    return 3 * DEMO_K * useful, 3 * DEMO_K * executed
+
+
+def test_the_demo_model_declares_its_useful_flops(tmp_path):
+    from conftest import read_jsonl
+    from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
+    from mindmon.demo.model import DemoModelConfig, DemoMoEGPT
+
+    model = DemoMoEGPT(DemoModelConfig.from_dict(DEMO))
+    optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-3)
+    group = build_group(parse_sections({"monitor": {
+        "output_dir": str(tmp_path), "speed": {"enabled": True, "flops": True, "peak_tflops": 1.0},
+        "moe_monitor": {"save_tokens_per_expert_interval": 1}}}), model=model)
+    train_step = AccumulatingTrainStep(lambda ids, labels: model(ids, labels)[0], optimizer, DEMO_K, group=group)
+    data = np.random.default_rng(5)
+    group.setup()
+    for step in (1, 2):
+        ids = Tensor(data.integers(0, DEMO["vocab_size"], (DEMO_K * DEMO_MICRO_BATCH, DEMO["seq_length"])), ms.int32)
+        labels = Tensor(data.integers(0, DEMO["vocab_size"], (DEMO_K * DEMO_MICRO_BATCH, DEMO["seq_length"])),
+                        ms.int32)
+        train_step(split_batch((ids, labels), DEMO_K))
+        group.flush(step)
+    group.close()
+    useful, executed = _demo_counts()
+    assert (useful, executed) == (40_445_952, 63_406_080)   # the figures docs/flops.md gives
+    assert useful < executed    # all 4 experts run for the 2 chosen; attention over the whole micro-batch
+    rows = read_jsonl(tmp_path / "rank_0" / "metrics.jsonl")
+    for step in (1, 2):
+        got = {r["name"]: r["value"] for r in rows if r["kind"] == "flops" and r["step"] == step}
+        assert got == {"useful": useful, "executed": executed}

@@ -317,6 +317,7 @@ class DemoMoEGPT(nn.Cell):
         self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, rng, cfg.init_std)
         self.mtp = MultiTokenPrediction(cfg, rng) if cfg.mtp_num_layers > 0 else None
         self._masks = {}
+        self._mask_shapes = {}   # id of a cached mask: the (batch, seq) it was built for
         self._track = False
 
     @property
@@ -380,7 +381,24 @@ class DemoMoEGPT(nn.Cell):
             causal = np.triu(np.ones((seq, seq), bool), k=1)
             blocked = ~np.kron(np.eye(batch, dtype=bool), ~causal)
             self._masks[key] = Tensor(np.where(blocked, _MASKED, 0.0).astype(np.float32))
+            self._mask_shapes[id(self._masks[key])] = key
         return self._masks[key]
+
+    def flop_counting(self) -> dict:
+        """The useful work a FLOP counter (`monitor.speed.flops`) cannot read from the shapes: this model runs
+        every expert on every token and attention over the whole flattened micro-batch, but its useful work is
+        each token through the experts it was routed to (the layers' `tokens_per_expert`, as mindmon's MoE
+        monitor reads them) and causal attention within each sequence (docs/flops.md, "The demo model")."""
+        from mindmon.features.speed.flops import AttentionSpec, ExpertSpec
+
+        return {"attention": AttentionSpec(r"core_attention$", layout="TH", causal=True,
+                                           sequence_lengths=self._sequence_lengths),
+                "experts": ExpertSpec(r"^(?P<layer>.*\.mlp)\.experts\.local_experts\.(?P<expert>\d+)$")}
+
+    def _sequence_lengths(self, cell, inputs) -> List[int]:
+        """A core attention call's sequences: its mask (input 3) says which (batch, seq) it serves; no padding."""
+        batch, seq = self._mask_shapes[id(inputs[3])]
+        return [seq] * batch
 
     def _core_attentions(self) -> List[CoreAttention]:
         return [cell for _, cell in self.cells_and_names() if isinstance(cell, CoreAttention)]
