@@ -2,7 +2,8 @@
 
 Off the CPU every statistic the device path takes is a MindSpore operation dispatched from Python; what
 bounds a step there is how many it dispatches, not their arithmetic. MindSpore's profiler records every
-kernel it launches (on CPU: `FRAMEWORK/cpu_op_execute_timestamp_*.txt`, one line per launch, name first);
+kernel it launches (on CPU: `FRAMEWORK/cpu_op_execute_timestamp_*.txt`, a line per kernel name with the start of each of
+its launches);
 read without its analysis (a tenth of a second, not seconds), that is an exact count. A view (the reshape of
 a contiguous tensor) launches no kernel and is not counted; a host-to-device copy of a numpy array is not
 an operation either.
@@ -11,7 +12,7 @@ Example:
     with count_kernel_launches() as launched:
         norms = SquaredNorms(on_host=False)
         norms.add("g", grads)
-    launched.count, launched.names   # 4, ['Concat', 'Square', 'UnsortedSegmentSum', 'UnsortedSegmentSum']
+    launched.count, launched.names   # 5, [Concat, Square, then UnsortedSegmentSum three times]
 
 Kernels queued before the block are waited for first, and the block's own before the count is read.
 Not for timing: the profiler slows each launch down.
@@ -21,7 +22,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 
 class KernelLaunches:
@@ -45,10 +46,14 @@ def _wait_for_queued_kernels() -> None:
     _pynative_executor.sync()
 
 
-def _kernel_name(line: str) -> str:
-    name = line.split(";", 1)[0].rsplit("/", 1)[-1]
+def _launches(line: str) -> List[Tuple[int, str]]:
+    """(start in ns, kernel name) of each launch on one line of the profiler's file: `name;type;` then one
+    `start,duration,stream` per launch of that kernel, separated by spaces."""
+    name, _, launches = line.split(";", 2)
+    name = name.rsplit("/", 1)[-1]
     base, _, suffix = name.rpartition("-op")
-    return base if base and suffix.isdigit() else name
+    name = base if base and suffix.isdigit() else name
+    return [(int(launch.split(",", 1)[0]), name) for launch in launches.split()]
 
 
 @contextmanager
@@ -69,9 +74,11 @@ def count_kernel_launches() -> Iterator[KernelLaunches]:
             _wait_for_queued_kernels()
         finally:
             profiler.stop()
-        for path in sorted(glob.glob(os.path.join(folder, "**", "cpu_op_execute_timestamp_*.txt"), recursive=True)):
+        found = []
+        for path in glob.glob(os.path.join(folder, "**", "cpu_op_execute_timestamp_*.txt"), recursive=True):
             with open(path) as handle:
-                launched.names += [_kernel_name(line) for line in handle if line.strip()]
+                found += [launch for line in handle if line.strip() for launch in _launches(line)]
+        launched.names = [name for _, name in sorted(found)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
