@@ -2,8 +2,10 @@
 those over the data-parallel ranks and the slow rank.
 
 Every time comes from the step events' own timestamps (`event.at`, taken by the group as it receives
-them), so the monitor adds no clock read and no synchronisation of its own. A step's window runs from the
-previous StepEnd to its own; its phases (docs/semantics.md, "Step time") split it with nothing left over:
+them), so the monitor adds no clock read and no synchronisation of its own; on Ascend and GPU the phases of
+device work are the device's own times between markers recorded at the same events (device_marks.py). A
+step's window runs from the previous StepEnd to its own; its phases (docs/semantics.md, "Step time") split
+it with nothing left over:
 
     data              previous StepWritten  -> StepBegin            waiting for the next batch
     forward_backward  StepBegin / MicroBatchEnd(k-1) -> MicroBatchEnd(k), one per micro-batch
@@ -31,6 +33,7 @@ from mindmon.engine import Monitor
 from mindmon.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, StepEnd, StepWritten,
                             UpdateDone)
 from mindmon.features.across_ranks.summaries import Column, summary_records
+from mindmon.features.speed.device_marks import DeviceMarks
 from mindmon.features.speed.memory import MemoryPeaks
 from mindmon.records import (ETA, FLOPS, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT, THROUGHPUT_DROP, WALL_CLOCK,
                              Record)
@@ -75,6 +78,7 @@ class SpeedMonitor(Monitor):
         self.global_batch_size = global_batch_size
         self.slow_rank_factor = slow_rank_factor
         self.memory = memory if memory is not None else MemoryPeaks()
+        self.device_marks = DeviceMarks.for_device_target()   # None on CPU: the host stamps are the work's times
         self._written: Optional[StepWritten] = None     # the previous step's end of writing
         self._last_end: Optional[StepEnd] = None
         self._first_end: Optional[StepEnd] = None
@@ -85,8 +89,12 @@ class SpeedMonitor(Monitor):
 
     def reset(self) -> None:
         self._events, self._micro, self._rows = {}, [], None
+        if self.device_marks is not None:
+            self.device_marks.clear()
 
     def on_event(self, event) -> None:
+        if self.device_marks is not None:
+            self.device_marks.record(event)
         if isinstance(event, MicroBatchEnd):
             self._micro.append(event)
         elif isinstance(event, StepWritten):
@@ -144,10 +152,10 @@ class SpeedMonitor(Monitor):
         step = end.at - start
         data = _between(self._written, begin) if self._written is not None and self._last_end is not None else 0.0
         marks = [begin] + self._micro
-        forward_backward = sum(_between(a, b) for a, b in zip(marks, marks[1:]))
-        reduce = _between(events[ReduceBegin], events[GradientsReduced]) \
+        forward_backward = sum(self._seconds(a, b) for a, b in zip(marks, marks[1:]))
+        reduce = self._seconds(events[ReduceBegin], events[GradientsReduced]) \
             if ReduceBegin in events and GradientsReduced in events else 0.0
-        update = _between(events[GradientsReduced], events[UpdateDone]) \
+        update = self._seconds(events[GradientsReduced], events[UpdateDone]) \
             if GradientsReduced in events and UpdateDone in events else 0.0
         mindmon = end.monitor_seconds
         other = max(step - data - forward_backward - reduce - update - mindmon, 0.0)
@@ -156,8 +164,14 @@ class SpeedMonitor(Monitor):
 
     def _micro_records(self, step: int) -> List[Record]:
         marks = [self._events[StepBegin]] + self._micro
-        return [Record(step, b.micro_step, self.rank, STEP_TIME, "micro_batch", _between(a, b))
+        return [Record(step, b.micro_step, self.rank, STEP_TIME, "micro_batch", self._seconds(a, b))
                 for a, b in zip(marks, marks[1:])]
+
+    def _seconds(self, start, end) -> float:
+        """A device phase's time: the device's own between the events' markers on Ascend and GPU
+        (device_marks.py), else the host stamps less mindmon's time."""
+        device = self.device_marks.seconds(start, end) if self.device_marks is not None else None
+        return device if device is not None else _between(start, end)
 
     def _rates(self, seconds: float) -> dict:
         samples = sum(m.samples for m in self._micro if m.samples is not None) or None
