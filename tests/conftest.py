@@ -15,6 +15,10 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("LOG_MF_PATH", tempfile.mkdtemp(prefix="mindmon-test-log-"))
+# A pytest-xdist worker inherits the folder its controller made above: each worker gets its own, so that
+# mindformers_log() holds only the runs of the tests this process ran.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["LOG_MF_PATH"] = tempfile.mkdtemp(prefix=f"mindmon-test-log-{os.environ['PYTEST_XDIST_WORKER']}-")
 
 
 def _mindformers_major():

@@ -12,6 +12,8 @@ from conftest import read_jsonl
 from msrun_launch import run_workers
 from test_tensorboard import scalars
 
+pytestmark = pytest.mark.serial   # 4 msrun ranks
+
 RANKS, STEPS = 4, 3
 STATISTICS = ("min", "mean", "max", "min_rank", "max_rank")
 

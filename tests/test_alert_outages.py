@@ -27,6 +27,8 @@ from servers import MYSQL_PASSWORD, PG_PASSWORD, free_port
 from test_alerts import email_inform, plain_loop
 from test_plain_loop import _data as regression_data
 
+pytestmark = pytest.mark.serial   # servers stopped and started while deliveries are retried in real time
+
 EVERY_VALUE = {"rule_name": "AnomalyNan", "args": {"threshold": 0.0}}   # fires on every finite value but 0
 STATISTIC = {"local_loss": "loss", "device_loss": "loss", "device_norm": "norm"}
 OUTAGE_SECONDS = 10.0

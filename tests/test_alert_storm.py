@@ -7,10 +7,14 @@ import statistics
 import time
 from collections import Counter
 
+import pytest
+
 from mindmon.features.alerts import AlertConfig, AlertSink
 from mindmon.records import Record
 from test_alert_outages import email_counts, select_rows, url_text
 from test_alerts import email_inform
+
+pytestmark = pytest.mark.serial   # deliveries paced and retried in real time
 
 PARAMETERS, STATISTICS, STEPS = 1700, ("norm", "min", "max", "mean", "zeros", "nans"), 5
 EVERY_VALUE = {"rule_name": "AnomalyNan", "args": {"threshold": 0.0},

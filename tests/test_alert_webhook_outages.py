@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from mindmon.engine import RunInfo
@@ -15,6 +16,8 @@ from mindmon.features.alerts import AlertConfig, AlertSink
 from servers import free_port
 from test_alert_webhook import TOKEN, alert_section, key_of, records
 from webhook_receiver import Receiver
+
+pytestmark = pytest.mark.serial   # receivers down and back while deliveries are retried in real time
 
 OUTAGE_SECONDS = 10.0
 STEP_SECONDS = 0.05

@@ -17,6 +17,8 @@ from mindmon import AccumulatingTrainStep, build_group, compat, parse_sections, 
 from mindmon.demo.data import make_sequences
 from mindmon.formats.msprobe_csv import read_csv
 
+pytestmark = pytest.mark.serial   # times the monitors' overhead
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats", "activations", "activations_idle",
            "l2_features"]

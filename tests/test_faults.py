@@ -18,6 +18,8 @@ from mindmon.formats import jsonl
 from mindmon.records import Record
 from mindmon.sinks import JsonlSink
 
+pytestmark = pytest.mark.serial   # kills the msrun worker it finds among all processes by its command line and RANK_ID
+
 JOB = Path(__file__).parent / "scripts" / "plain_loop_job.py"
 
 

@@ -17,6 +17,8 @@ import pytest
 from hang_worker import SLOW
 from msrun_launch import HERE, free_port
 
+pytestmark = pytest.mark.serial   # 4 msrun ranks, one held until the hang is declared
+
 RANKS, ODD, FROM_STEP = 4, 3, 8
 
 

@@ -15,6 +15,8 @@ from conftest import read_jsonl
 from msrun_launch import run_workers
 from mindmon.parallel.layout import megatron_coordinates
 
+pytestmark = pytest.mark.serial   # 4 msrun ranks
+
 RANKS = 4
 RTOL, ATOL = 2e-5, 2e-6   # float32 training against float64
 

@@ -10,6 +10,8 @@ import pytest
 from conftest import read_jsonl
 from msrun_launch import run_workers
 
+pytestmark = pytest.mark.serial   # 4 msrun ranks
+
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "model-parallel.md"
 RANKS, IN, HIDDEN, OUT, ROWS, K, STEPS = 4, 4, 8, 3, 4, 2, 2
 

@@ -12,6 +12,8 @@ import pytest
 
 from msrun_launch import HERE, free_port
 
+pytestmark = pytest.mark.serial   # processes killed and frozen until the watchdog's silence timeout
+
 WORLD, STEPS = 4, 7
 
 

@@ -12,7 +12,7 @@ from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_ba
 from mindmon.config import ConfigError
 from scripts.plain_loop_job import Regression
 
-pytestmark = pytest.mark.ms27
+pytestmark = [pytest.mark.ms27, pytest.mark.serial]   # serial: times the steps it checks
 
 STEPS, K, SAMPLES = 5, 2, 8
 SLOW_STEP, SLOW_MICRO, SLOW = 3, 1, 0.30    # a sleep in one micro-batch's forward

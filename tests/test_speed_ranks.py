@@ -1,7 +1,7 @@
-"""monitor.speed on four real msrun workers (data parallel over mccl on CPU): the rank slowed by a sleep in
-its forward is named at exactly the slowed steps, and only it; a balanced run names none; rank 0's
-cross-rank figures of step time, phases and throughput equal numpy's min, mean, max and extreme ranks over
-the four ranks' own records."""
+"""monitor.speed on four real msrun workers (data parallel over mccl on CPU, and TP=2 x DP=2): the rank slowed
+by a sleep in its forward is named at exactly the slowed steps, and only it; a balanced run names none; rank
+0's cross-rank figures of step time, phases and throughput equal numpy's min, mean, max and extreme ranks over
+the four ranks' own records, under either layout."""
 from collections import defaultdict
 
 import numpy as np
@@ -10,13 +10,15 @@ import pytest
 from conftest import read_jsonl
 from msrun_launch import run_workers
 
+pytestmark = pytest.mark.serial   # 4 msrun ranks, one slowed by a sleep
+
 RANKS, STEPS, SLOW_RANK, SLOW_STEPS, SLEEP = 4, 6, 2, (3, 4), 2.0
 STATISTICS = ("min", "mean", "max", "min_rank", "max_rank")
 
 
-def _run(root, slow_rank, slow_steps, steps):
+def _run(root, slow_rank, slow_steps, steps, layout=()):
     result, logs = run_workers("speed_worker.py", [root / "out", steps, slow_rank,
-                                                   ",".join(map(str, slow_steps)) or "-", SLEEP], root, RANKS)
+                                                   ",".join(map(str, slow_steps)) or "-", SLEEP, *layout], root, RANKS)
     assert result.returncode == 0, result.stdout[-2000:] + "".join(log[-2000:] for log in logs.values())
     for rank in range(RANKS):
         assert f"speed_worker rank {rank}: ok" in logs[rank], logs[rank][-2000:]
@@ -54,6 +56,21 @@ def test_a_balanced_run_names_no_rank(tmp_path_factory):
 
 
 def test_rank_0s_cross_rank_figures_equal_numpy_over_the_ranks_own_records(slowed):
+    _assert_spread_is_numpys(slowed, STEPS)
+
+
+def test_under_tp_x_dp_the_spread_covers_every_rank_of_the_job(tmp_path_factory):
+    """TP=2 x DP=2 (Megatron's order: ranks 0, 1 are replica 0's tensor-parallel pair): the rows ride in the
+    data-parallel all-reduce and then the tensor-parallel sums, so rank 0's figures are over all four ranks,
+    its tensor-parallel peer included, and the extremes' ranks are world ranks."""
+    runs = _run(tmp_path_factory.mktemp("speed_tp"), 3, (2,), 4, layout=("tp",))
+    _assert_spread_is_numpys(runs, 4)
+    assert _slow_ranks(runs[0]) == [(2, "rank 3")]   # not a data-parallel peer of rank 0
+    assert [r for r in runs[1] + runs[2] + runs[3] if r["kind"] == "across_ranks"] == []
+
+
+def _assert_spread_is_numpys(runs, steps):
+    slowed = runs
     own = defaultdict(dict)
     for rank, rows in slowed.items():
         for r in rows:
@@ -65,7 +82,7 @@ def test_rank_0s_cross_rank_figures_equal_numpy_over_the_ranks_own_records(slowe
     checked = 0
     for (step, column), by_rank in own.items():
         # this step's computing time rides in this step's collective; the rest in the next step's
-        if column != "step_time/compute" and step == STEPS:
+        if column != "step_time/compute" and step == steps:
             assert (step, f"{column}/mean") not in got
             continue
         values = np.array([by_rank[rank] for rank in range(RANKS)], np.float32).astype(np.float64)
@@ -73,4 +90,4 @@ def test_rank_0s_cross_rank_figures_equal_numpy_over_the_ranks_own_records(slowe
         for statistic, value in zip(STATISTICS, expected):
             assert got[(step, f"{column}/{statistic}")] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, column)
             checked += 1
-    assert checked >= 5 * 12 * (STEPS - 1)
+    assert checked >= 5 * 12 * (steps - 1)

@@ -23,6 +23,8 @@ from msrun_launch import HERE, free_port
 from mindmon.formats import jsonl
 from two_node_worker import K, batch
 
+pytestmark = pytest.mark.serial   # two msrun launchers of 2 ranks each and MindSpore's heartbeat timeout
+
 RANKS = 4
 
 
