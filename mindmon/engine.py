@@ -9,8 +9,8 @@ A step, as the group drives it:
                                                  (mindmon.events: the training step's own vocabulary)
     monitor.record(key, value, context)          for each key in monitor.KEYS: a feature's hooks handing
                                                  their monitor data (tensor statistics, L2, collectives)
-    monitor.cross_rank_sums() / receive_...()    only with several data-parallel ranks (and the
-    monitor.cross_rank_buffer(K) / receive_...()  K-sized buffer of the same all-reduce)
+    monitor.cross_rank(K) / receive_cross_rank()  only with several ranks: its CrossRankPayload summed
+                                                 inside the step's own collectives
     records = monitor.collect(step)              step end: everything the step produced, in one go
     sink.write(records); sink.flush()
 
@@ -50,15 +50,63 @@ class RunInfo:
         return self.start_step > 0
 
 
+@dataclass(frozen=True)
+class CrossRankSizes:
+    """The number of values in each part of a monitor's `CrossRankPayload` (0: no such part)."""
+
+    data_parallel: int = 0
+    shards: int = 0
+    job: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.data_parallel + self.shards + self.job
+
+
+NO_CROSS_RANK = CrossRankSizes()
+
+
+@dataclass
+class CrossRankPayload:
+    """Values a monitor has summed over ranks in one step, by the ranks they are summed over. Each part is a
+    1-D float array (numpy, or a MindSpore Tensor that may stay on the device until the collective) of the
+    size `Monitor.cross_rank_sizes` declared, or None (nothing, or zeros when a size was declared).
+
+    - `data_parallel`: over the data-parallel group, inside the gradients' all-reduce (MoE step totals,
+      loss components).
+    - `shards`: over the tensor- and context-parallel groups, inside the model-parallel sums
+      (mindmon.parallel.reduce): a split parameter's full squared norm from its shards'.
+    - `job`: over every rank of the job: the data-parallel all-reduce, then each model-parallel group's
+      sums. A buffer with one slot per rank, each rank filling its own, arrives as every rank's values
+      on every rank (the groups form a grid).
+
+    Every rank must send the same sizes, or the collective mixes up the ranks' values (or hangs): sizes
+    come from what the monitor was built with and K, and the group sends zeros for a monitor switched off.
+
+    Example (a monitor of each rank's step time, one slot per rank of the job):
+        def cross_rank_sizes(self, num_micro_steps):
+            return CrossRankSizes(job=self.world_size)
+        def cross_rank(self, num_micro_steps):
+            slots = np.zeros(self.world_size)
+            slots[self.rank] = self.seconds
+            return CrossRankPayload(job=slots)
+        def receive_cross_rank(self, summed):
+            self.every_rank = summed.job
+    """
+
+    data_parallel: Any = None
+    shards: Any = None
+    job: Any = None
+
+
 class Monitor(abc.ABC):
     """Collects during a step, without host syncs, and returns the step's records at `collect`.
 
     `EVENTS` are the step events (mindmon.events) it takes, delivered to `on_event`; `KEYS` are the
     `record(key, ...)` keys its own hooks send it; the group calls each only for those.
-    The cross-rank hooks let a monitor have tensors summed over the data-parallel group inside the
-    step's one gradient all-reduce: `cross_rank_shapes()` is fixed at construction (every rank must
-    send the same payload), `cross_rank_sums()` gives this rank's tensors (None: send zeros), and
-    `receive_cross_rank_sums(sums)` gets the sums back.
+    A monitor that needs values summed over ranks declares their sizes (`cross_rank_sizes`), gives its
+    values at each step (`cross_rank`) and gets the sums back (`receive_cross_rank`); they ride in the
+    collectives the training step makes anyway (`CrossRankPayload`).
     """
 
     EVENTS: Tuple[type, ...] = ()
@@ -77,38 +125,18 @@ class Monitor(abc.ABC):
     def collect(self, step: int) -> List[Record]:
         """Step end: the step's records (one host transfer at most), then ready for the next step."""
 
-    def cross_rank_shapes(self) -> List[tuple]:
-        return []
+    def cross_rank_sizes(self, num_micro_steps: int) -> "CrossRankSizes":
+        """How many values each part of `cross_rank` holds: from what the monitor was built with and K only,
+        never from the step's data (it is asked of a monitor switched off too, which then sends zeros)."""
+        return NO_CROSS_RANK
 
-    def cross_rank_sums(self) -> Optional[list]:
+    def cross_rank(self, num_micro_steps: int) -> Optional["CrossRankPayload"]:
+        """This rank's values to be summed over the ranks this step (None, or a part of the wrong size:
+        zeros are sent in its place)."""
         return None
 
-    def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        pass
-
-    # A flat float32 buffer in the same all-reduce whose size depends only on K (so every rank sends the
-    # same): values that need one slot per micro-step (mindmon.features.across_ranks).
-    def cross_rank_buffer_size(self, num_micro_steps: int) -> int:
-        return 0
-
-    def cross_rank_buffer(self, num_micro_steps: int):
-        """This rank's 1-D float32 Tensor of `cross_rank_buffer_size` values (None: send zeros)."""
-        return None
-
-    def receive_cross_rank_buffer(self, summed) -> None:
-        pass
-
-    # Model parallelism (mindmon.parallel): per-parameter values summed over the tensor- and context-parallel
-    # groups, inside the step's own collectives. The size depends only on K, so every rank sends the same.
-    def shard_sum_size(self, num_micro_steps: int) -> int:
-        return 0
-
-    def shard_sums(self, num_micro_steps: int):
-        """This rank's float64 array of `shard_sum_size` values (None: send zeros)."""
-        return None
-
-    def receive_shard_sums(self, sums) -> None:
-        pass
+    def receive_cross_rank(self, summed: "CrossRankPayload") -> None:
+        """The sums back (every declared part, as a 1-D float64 numpy array), before `collect`."""
 
     def close(self) -> None:
         """Train end: detach hooks, release what the monitor holds."""

@@ -12,8 +12,7 @@ import time
 from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
-import numpy as np
-
+from mindmon.cross_rank import CrossRankExchange
 from mindmon.engine import Monitor, RunInfo, Service, Sink, SinkClosedError
 from mindmon.events import StepBegin, StepEnd, StepEvent, StepWritten, from_record
 from mindmon.progress import PROGRESS
@@ -38,10 +37,9 @@ class MonitorGroup:
         self.sinks: List[Sink] = list(sinks)
         self.rank = rank
         self.logger = logger or logging.getLogger("mindmon")
-        # Fixed at build time, so every rank sends the same payload even after a monitor is dropped.
-        self._cross_rank = [(m, m.cross_rank_shapes()) for m in self.monitors if m.cross_rank_shapes()]
-        self._built = list(self.monitors)   # the model-parallel sums' payload (shard_sums)
-        self._buffers: list = []   # (monitor, size) of this step's K-sized cross-rank buffers
+        # Every monitor built, switched off or not: each declares its cross-rank sizes, so every rank's
+        # collectives keep their size (mindmon.cross_rank).
+        self.built: List[Monitor] = list(self.monitors)
         self._opened = False
         self._closed = False
         self._run = RunInfo(rank)
@@ -91,7 +89,7 @@ class MonitorGroup:
 
     def reset(self) -> None:
         for monitor in list(self.monitors):
-            self._guard(monitor, monitor.reset)
+            self.guard(monitor, monitor.reset)
 
     def emit(self, event: StepEvent) -> None:
         """One of the step's events (mindmon.events) to every monitor that takes its type. `StepBegin` also
@@ -108,7 +106,7 @@ class MonitorGroup:
             PROGRESS.enter(self._step, event.PHASE)
         for monitor in list(self.monitors):
             if isinstance(event, monitor.EVENTS):
-                self._guard(monitor, monitor.on_event, event)
+                self.guard(monitor, monitor.on_event, event)
         self._own_seconds += time.perf_counter() - started
 
     def record(self, key: str, value=None, context=None) -> None:
@@ -122,68 +120,17 @@ class MonitorGroup:
         started = time.perf_counter()
         for monitor in list(self.monitors):
             if key in monitor.KEYS:
-                self._guard(monitor, monitor.record, key, value, context)
+                self.guard(monitor, monitor.record, key, value, context)
         self._own_seconds += time.perf_counter() - started
 
-    def cross_rank_sums(self, num_micro_steps: int = 1) -> list:
-        """Tensors the monitors want summed over the data-parallel group this step; the training step
-        packs them into its gradient all-reduce and hands the sums back to `receive_cross_rank_sums`.
-        The fixed shapes come first, then one K-sized buffer per monitor that has one."""
-        from mindspore import Tensor
+    def cross_rank(self, num_micro_steps: int) -> CrossRankExchange:
+        """This step's cross-rank payloads of the monitors (mindmon.engine.CrossRankPayload), which the
+        training step packs into its collectives and hands back with `deliver()`."""
+        return CrossRankExchange(self, num_micro_steps)
 
-        started, payload = time.perf_counter(), []
-        for monitor, shapes in self._cross_rank:
-            values = self._guard(monitor, monitor.cross_rank_sums) if monitor in self.monitors else None
-            if values is None or [tuple(v.shape) for v in values] != shapes:
-                values = [Tensor(np.zeros(shape, np.float32)) for shape in shapes]
-            payload += values
-        payload += self._cross_rank_buffers(num_micro_steps)
-        self._own_seconds += time.perf_counter() - started
-        return payload
-
-    def _cross_rank_buffers(self, num_micro_steps: int) -> list:
-        """Every built monitor's buffer (a dropped one sends zeros), so every rank's payload keeps its size."""
-        from mindspore import Tensor
-
-        self._buffers = [(m, m.cross_rank_buffer_size(num_micro_steps)) for m in self._built]
-        self._buffers = [(monitor, size) for monitor, size in self._buffers if size]
-        payload = []
-        for monitor, size in self._buffers:
-            values = self._guard(monitor, monitor.cross_rank_buffer, num_micro_steps) \
-                if monitor in self.monitors else None
-            payload.append(values if values is not None and tuple(values.shape) == (size,)
-                           else Tensor(np.zeros(size, np.float32)))
-        return payload
-
-    def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        """The sums back. Not counted as mindmon's own time: MindSpore's collective may return before it
-        completes (it does on CPU), and the first read of its result, here, is where the step waits for it."""
-        start = 0
-        for monitor, shapes in self._cross_rank:
-            part, start = list(sums[start:start + len(shapes)]), start + len(shapes)
-            if monitor in self.monitors:
-                self._guard(monitor, monitor.receive_cross_rank_sums, part)
-        for (monitor, _), summed in zip(self._buffers, sums[start:]):
-            if monitor in self.monitors:
-                self._guard(monitor, monitor.receive_cross_rank_buffer, summed)
-
-    def shard_sums(self, num_micro_steps: int) -> list:
-        """The monitors' arrays to be summed over a tensor- or context-parallel group (mindmon.parallel);
-        a monitor dropped since the group was built sends zeros, so every rank's payload keeps its size."""
-        payload = []
-        for monitor in self._built:
-            size = monitor.shard_sum_size(num_micro_steps)
-            if not size:
-                continue
-            values = self._guard(monitor, monitor.shard_sums, num_micro_steps) if monitor in self.monitors else None
-            payload.append(values if values is not None and np.size(values) == size else np.zeros(size))
-        return payload
-
-    def receive_shard_sums(self, sums: Sequence, num_micro_steps: int) -> None:
-        taking = [m for m in self._built if m.shard_sum_size(num_micro_steps)]
-        for monitor, part in zip(taking, sums):
-            if monitor in self.monitors:
-                self._guard(monitor, monitor.receive_shard_sums, part)
+    def count_own_time(self, seconds: float) -> None:
+        """Time spent for mindmon outside emit/record/flush (making the cross-rank payloads)."""
+        self._own_seconds += seconds
 
     def set_max_norm(self, max_norm: float) -> None:
         """The clipping threshold of the run's train step (0: clipping off). `AccumulatingTrainStep`
@@ -210,7 +157,7 @@ class MonitorGroup:
         collector is switched back on."""
         records = self._step_values(step, loss, grad_norm, learning_rate)
         for monitor in list(self.monitors):
-            records += self._guard(monitor, monitor.collect, step) or []
+            records += self.guard(monitor, monitor.collect, step) or []
         self.write(records)
         for sink in list(self.sinks):
             self._sink_call(sink, sink.flush)
@@ -243,7 +190,7 @@ class MonitorGroup:
             return
         self._closed = True
         for monitor in self.monitors:
-            self._guard(monitor, monitor.close)
+            self.guard(monitor, monitor.close)
         for sink in list(self.sinks):
             self._sink_call(sink, sink.close)
         self.sinks = []
@@ -270,7 +217,8 @@ class MonitorGroup:
                 except Exception:
                     pass
 
-    def _guard(self, monitor: Monitor, method, *args):
+    def guard(self, monitor: Monitor, method, *args):
+        """`method(*args)` of a monitor; if it raises, the monitor is switched off and None returned."""
         try:
             return method(*args)
         except Exception as error:

@@ -142,13 +142,13 @@ class AccumulatingTrainStep:
             accumulated, mean_loss = self._clip_on_host(grad_norm), loss_sum / self.num_micro_steps
         else:
             accumulated = self._host.take() if accumulated is None else accumulated
-            reduced, mean_loss = self._reduce(accumulated, loss_sum, group)
+            reduced, mean_loss, exchange = self._reduce(accumulated, loss_sum, group)
             if group is not None:   # several ranks: the norm of the data-parallel mean; one rank: A_{K-1}
                 group.emit(GradientsReduced(reduced if self.data_parallel.active else None))
             if self.model_parallel is None:
                 grad_norm = self._global_norm(reduced)
             else:
-                grad_norm, mean_loss = self._finish_model_parallel(reduced, mean_loss, group)
+                grad_norm, mean_loss = self._finish_model_parallel(reduced, mean_loss, group, exchange)
             accumulated = self._clip(reduced, grad_norm)
         # Asked at every step: the group's actions may take part in a collective.
         skip = self.group is not None and self.group.should_skip_update(grad_norm)
@@ -162,14 +162,16 @@ class AccumulatingTrainStep:
             group.emit(StepLoss(mean_loss))
         return mean_loss, grad_norm
 
-    def _finish_model_parallel(self, reduced, mean_loss, group):
+    def _finish_model_parallel(self, reduced, mean_loss, group, exchange):
         """The global norm over every shard of every stage and the last stage's losses
-        (mindmon.parallel.reduce); the monitors' per-parameter sums ride in the same collectives."""
+        (mindmon.parallel.reduce); the monitors' cross-rank payloads ride in the same collectives."""
         squared = SquaredNorms(self.on_host)
         squared.add("grads", reduced)
         grad_norm, losses, mean = self.model_parallel.finish(
             squared.results()["grads"], [float(to_float(loss)) for loss in self._losses], float(to_float(mean_loss)),
-            group)
+            exchange)
+        if exchange is not None:
+            exchange.deliver()
         if group is not None and self.model_parallel.deferred_losses:
             group.emit(MicroBatchLosses(losses))
             for k, loss in enumerate(losses):
@@ -211,18 +213,24 @@ class AccumulatingTrainStep:
         return self._host.take()
 
     def _reduce(self, accumulated, loss_sum, group):
-        """The data-parallel mean of the gradients and of the micro-batch losses, with what the
-        monitors want summed over the ranks, in one collective. One rank: nothing to reduce."""
+        """The data-parallel mean of the gradients and of the micro-batch losses, with the monitors'
+        cross-rank payloads (mindmon.cross_rank), in one collective. One rank: nothing to reduce. Returns
+        (gradients, mean loss, the step's exchange of payloads, or None); the exchange is delivered here
+        unless the model-parallel sums carry it on."""
+        several = self.data_parallel.active or self.model_parallel is not None
+        exchange = group.cross_rank(self.num_micro_steps) if group is not None and several else None
         if not self.data_parallel.active:
-            return accumulated, loss_sum / self.num_micro_steps
-        extra = group.cross_rank_sums(self.num_micro_steps) if group is not None else []
-        reduced = self.data_parallel.sum(list(accumulated) + [loss_sum] + extra)
+            return accumulated, loss_sum / self.num_micro_steps, exchange
+        sent = exchange.before_data_parallel() if exchange is not None else []
+        reduced = self.data_parallel.sum(list(accumulated) + [loss_sum] + sent)
         count = len(accumulated)
-        if group is not None:
-            group.receive_cross_rank_sums(reduced[count + 1:])
+        if exchange is not None:
+            exchange.after_data_parallel(reduced[count + 1:])
+            if self.model_parallel is None:
+                exchange.deliver()
         size = self.data_parallel.size
         grads = tuple(g / size for g in reduced[:count])
-        return grads, reduced[count] / (self.num_micro_steps * size)
+        return grads, reduced[count] / (self.num_micro_steps * size), exchange
 
     def _global_norm(self, grads) -> float:
         norms = SquaredNorms(self.on_host)

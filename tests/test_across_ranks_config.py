@@ -67,11 +67,11 @@ def test_one_rank_summarises_its_own_values(tmp_path):
 
 
 def test_a_dropped_monitor_still_sends_its_buffer_as_zeros(caplog):
-    """Every rank's all-reduce payload must keep its size: a monitor that fails while making its K-sized
-    buffer is switched off and the group sends zeros of that size in its place, then skips it on receive."""
+    """Every rank's collectives must keep their size: a monitor that fails while making its payload is
+    switched off and the group sends zeros of its declared sizes in its place, then skips it on receive."""
     from mindspore import Tensor
 
-    from mindmon.engine import Monitor
+    from mindmon.engine import CrossRankPayload, CrossRankSizes, Monitor
     from mindmon.group import MonitorGroup
 
     class Buffered(Monitor):
@@ -81,21 +81,30 @@ def test_a_dropped_monitor_still_sends_its_buffer_as_zeros(caplog):
         def collect(self, step):
             return []
 
-        def cross_rank_buffer_size(self, num_micro_steps):
-            return 3 * num_micro_steps
+        def cross_rank_sizes(self, num_micro_steps):
+            return CrossRankSizes(data_parallel=2, job=3 * num_micro_steps)
 
-        def cross_rank_buffer(self, num_micro_steps):
+        def cross_rank(self, num_micro_steps):
             if self.fail:
                 raise RuntimeError("broken")
-            return Tensor(np.arange(3 * num_micro_steps, dtype=np.float32))
+            return CrossRankPayload(data_parallel=np.array([-1.0, -2.0]),
+                                    job=np.arange(3 * num_micro_steps, dtype=np.float32))
 
-        def receive_cross_rank_buffer(self, summed):
-            self.received = summed.asnumpy()
+        def receive_cross_rank(self, summed):
+            self.received = summed
 
     broken, working = Buffered(True), Buffered(False)
     group = MonitorGroup([broken, working])
-    payload = group.cross_rank_sums(num_micro_steps=2)
-    assert [p.asnumpy().tolist() for p in payload] == [[0.0] * 6, [0, 1, 2, 3, 4, 5]]
+    exchange = group.cross_rank(num_micro_steps=2)
+    sent = exchange.before_data_parallel()
+    # one flat tensor: the data_parallel parts (broken's zeros, working's), then the job parts likewise
+    assert [t.asnumpy().tolist() for t in sent] == [[0.0, 0.0, -1.0, -2.0] + [0.0] * 6 + [0, 1, 2, 3, 4, 5]]
     assert broken not in group.monitors and "Buffered failed and is switched off" in caplog.text
-    group.receive_cross_rank_sums([Tensor(np.full(6, 7.0, np.float32)), Tensor(np.full(6, 9.0, np.float32))])
-    assert broken.received is None and working.received.tolist() == [9.0] * 6
+    exchange.after_data_parallel([Tensor(np.arange(16, dtype=np.float32) * 10)])
+    exchange.deliver()
+    assert broken.received is None
+    assert working.received.data_parallel.tolist() == [20.0, 30.0] and working.received.shards is None
+    assert working.received.job.tolist() == [100.0, 110.0, 120.0, 130.0, 140.0, 150.0]
+    # the next step, with another K: the switched-off monitor still declares its sizes and sends zeros
+    sent = group.cross_rank(num_micro_steps=1).before_data_parallel()
+    assert [t.asnumpy().tolist() for t in sent] == [[0.0, 0.0, -1.0, -2.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0]]

@@ -9,6 +9,7 @@ import pytest
 from mindspore import Parameter, Tensor, nn
 
 from mindmon.config import ConfigError
+from mindmon.engine import CrossRankPayload, CrossRankSizes
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
 from mindmon.events import MicroBatchEnd, StepBegin
 from mindmon.features.moe_tokens.monitor import (MoELayer, MoETokensMonitor,
@@ -224,13 +225,13 @@ def test_no_step_begin_or_no_micro_step_writes_nothing_and_resets():
     monitor.on_event(MicroBatchEnd())          # before any step begin: ignored
     assert monitor._snapshots == [] and monitor.collect(1) == []
     monitor.on_event(StepBegin())
-    assert monitor.cross_rank_sums() is None
+    assert monitor.cross_rank(1) is None
     assert monitor.collect(1) == [] and monitor._snapshots == []
-    monitor.receive_cross_rank_sums([Tensor(np.ones(EXPERTS, np.float32))])
+    monitor.receive_cross_rank(CrossRankPayload(data_parallel=np.ones(EXPERTS)))
     assert monitor.collect(2) == [] and monitor._all_ranks is None
     monitor.on_event(StepBegin())
     monitor.on_event(MicroBatchEnd())          # one micro-step is a step to sum over the ranks
-    assert [s.asnumpy().tolist() for s in monitor.cross_rank_sums()] == [[0.0] * EXPERTS]
+    assert _host(monitor.cross_rank(1).data_parallel).tolist() == [0.0] * EXPERTS
 
 
 def test_idle_layer_has_no_ratio_summaries():
@@ -245,8 +246,8 @@ def test_idle_layer_has_no_ratio_summaries():
 def test_cross_rank_sums_replace_the_step_totals(on_host):
     config = MoEMonitorConfig(save_tokens_per_expert_interval=2, target_layers=(1, 2))
     monitor = MoETokensMonitor(config, _model(), on_host=on_host, cross_rank=True)
-    assert monitor.cross_rank_shapes() == [(EXPERTS,), (EXPERTS,)]
-    assert MoETokensMonitor(config, _model()).cross_rank_shapes() == []
+    assert monitor.cross_rank_sizes(3) == CrossRankSizes(data_parallel=2 * EXPERTS)
+    assert MoETokensMonitor(config, _model()).cross_rank_sizes(3).total == 0
     routed = _routing(7, 3, 2)
     start = np.array([[4.0, 0, 1, 2], [0, 0, 9, 0]])
     _set_counts(monitor.cells, start)
@@ -254,13 +255,12 @@ def test_cross_rank_sums_replace_the_step_totals(on_host):
     for k in range(3):
         _set_counts(monitor.cells, start + routed[:k + 1].sum(axis=0))
         monitor.on_event(MicroBatchEnd())
-    sums = monitor.cross_rank_sums()
-    assert [s.dtype for s in sums] == [ms.float32, ms.float32]
-    for got, want in zip(sums, routed.sum(axis=0)):
-        assert np.array_equal(got.asnumpy().astype(np.float64), want)
+    sent = monitor.cross_rank(3).data_parallel
+    assert sent.dtype == (np.float32 if on_host else ms.float32)
+    assert np.array_equal(_host(sent), routed.sum(axis=0).reshape(-1))
     # Another rank routed `other`; the all-reduce hands back the sum (float32, possibly off by rounding).
     other = np.array([[1.0, 2, 0, 40], [3, 0, 0, 1]])
-    monitor.receive_cross_rank_sums([Tensor((s.asnumpy() + o - 0.3).astype(np.float32)) for s, o in zip(sums, other)])
+    monitor.receive_cross_rank(CrossRankPayload(data_parallel=_host(sent) + other.reshape(-1) - 0.3))
     records = monitor.collect(1)
     totals = routed.sum(axis=0) + other
     step_level = [r for r in records if r.micro_step is None]
@@ -281,3 +281,8 @@ def test_ratio_summaries_when_the_mean_is_below_one():
     step_level = {r.kind: r.value for r in records if r.micro_step is None and r.kind.startswith("moe_")}
     assert step_level == _summaries([0, 0, 1, 2])   # mean 0.75: max/mean 8/3, cv std/mean
     assert set(step_level) == {"moe_min_tokens", "moe_max_tokens", "moe_idle_experts", "moe_max_over_mean", "moe_cv"}
+
+
+def _host(values) -> np.ndarray:
+    """A payload part as float64 numpy (a Tensor when it stayed on the device)."""
+    return np.asarray(values.asnumpy() if hasattr(values, "asnumpy") else values, np.float64)

@@ -17,7 +17,7 @@ from mindmon.events import (GradientsReduced, MicroBatchEnd, MicroBatchGradients
                             StepBegin, StepLoss, UpdateDone)
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
 from mindmon.distributed import DataParallel
-from mindmon.engine import Monitor
+from mindmon.engine import CrossRankPayload, CrossRankSizes, Monitor
 from mindmon.group import MonitorGroup
 from test_train_state_values import (K, LR, NAMES, TwoLayer, _batches, _initial_weights, _loss_and_grads,
                                      assert_records_match, expected_records, replay)
@@ -50,14 +50,14 @@ class CrossRankProbe(Monitor):
     def __init__(self):
         self.received = []
 
-    def cross_rank_shapes(self):
-        return [v.shape for v in PROBE_VALUES]
+    def cross_rank_sizes(self, num_micro_steps):
+        return CrossRankSizes(data_parallel=sum(v.size for v in PROBE_VALUES))
 
-    def cross_rank_sums(self):
-        return [Tensor(v) for v in PROBE_VALUES]
+    def cross_rank(self, num_micro_steps):
+        return CrossRankPayload(data_parallel=Tensor(np.concatenate([v.reshape(-1) for v in PROBE_VALUES])))
 
-    def receive_cross_rank_sums(self, sums):
-        self.received.append([s.asnumpy() for s in sums])
+    def receive_cross_rank(self, summed):
+        self.received.append(np.split(summed.data_parallel, np.cumsum([v.size for v in PROBE_VALUES])[:-1]))
 
     def collect(self, step):
         return []
@@ -102,11 +102,11 @@ def test_two_ranks_apply_write_and_return_the_data_parallel_mean(tmp_path, on_ho
     for param in net.params:
         expected = _initial_weights()[param.name] - LR * scale * accumulated[param.name] / 2.0
         np.testing.assert_allclose(param.asnumpy(), expected, rtol=1e-5, atol=1e-6)
-    # one collective: 4 gradients, the loss, the probe's 2 tensors; the probe gets its own back
-    assert data_parallel.payload_lengths == [len(NAMES) + 1 + len(PROBE_VALUES)]
+    # one collective: 4 gradients, the loss, the monitors' payloads in one flat tensor; the probe gets its own back
+    assert data_parallel.payload_lengths == [len(NAMES) + 1 + 1]
     assert len(probe.received) == 1
     for got, sent in zip(probe.received[0], PROBE_VALUES, strict=True):
-        np.testing.assert_array_equal(got, sent)
+        np.testing.assert_array_equal(got, sent.reshape(-1))
 
 
 def test_two_ranks_without_monitoring_reduce_only_the_gradients_and_the_loss():

@@ -33,6 +33,7 @@ def monitor_for(ranks: int, params: int):
 def one_step(monitor, step: int, micro: int, params: int, rng, sinks) -> dict:
     from mindspore import Tensor
 
+    from mindmon.engine import CrossRankPayload
     from mindmon.events import GradientSnapshot, MicroBatchGradients, MicroBatchLoss
     from mindmon.kernels.stats import MicroStepNorms
 
@@ -42,9 +43,9 @@ def one_step(monitor, step: int, micro: int, params: int, rng, sinks) -> dict:
         monitor.on_event(MicroBatchGradients(k, GradientSnapshot([], [], squared)))
     times = {}
     start = time.perf_counter()
-    buffer = monitor.cross_rank_buffer(micro)
+    buffer = monitor.cross_rank(micro).job
     times["buffer"] = time.perf_counter() - start
-    monitor.receive_cross_rank_buffer(Tensor(rng.random(buffer.shape[0]).astype(np.float32)))
+    monitor.receive_cross_rank(CrossRankPayload(job=rng.random(buffer.shape[0])))
     start = time.perf_counter()
     records = monitor.collect(step)
     times["summaries"] = time.perf_counter() - start

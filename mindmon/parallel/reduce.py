@@ -3,11 +3,18 @@
 After the data-parallel reduction (mindmon.distributed) every rank holds the gradients the optimizer
 applies, for its shards of its stage's parameters. Then:
 
-    tp (and cp)  [this rank's share of the global squared norm] + the monitors' per-parameter squared
-                 norms (`MonitorGroup.shard_sums`): every split parameter's full squared norm
-    ep           [the share so far]: experts held by other ranks
-    pp           [the share so far, the micro-batch losses, the step's mean loss]: the other stages'
-                 parameters; the losses, which only the last stage computes (the others send zeros)
+    tp (and cp)  [this rank's share of the global squared norm] + the monitors' `shards` parts
+                 (mindmon.engine.CrossRankPayload: every split parameter's full squared norm) + their
+                 `job` parts
+    ep           [the share so far] + the `job` parts: experts held by other ranks
+    pp           [the share so far, the micro-batch losses, the step's mean loss] + the `job` parts: the
+                 other stages' parameters; the losses, which only the last stage computes (the others
+                 send zeros)
+
+The `job` parts (one slot per rank, say) come from the data-parallel all-reduce already summed over that
+group, and each axis adds its ranks' slots, so after the last axis they hold every rank's values. An axis
+whose group lies inside one already summed (Megatron's expert groups lie inside the data-parallel one) is
+left out of that sum, which would count its ranks' slots twice.
 
 A rank's share counts a shard on every rank that holds one and a copy only on the first rank of the
 axes it is copied over (`ParallelLayout.norm_weight`), so the sum holds every element once: the norm one
@@ -49,8 +56,8 @@ class ModelParallelSums:
     """`finish(squared_norms, losses, mean_loss, group) -> (grad_norm, losses, mean_loss)` for one step.
 
     `squared_norms`: this rank's squared norm of every gradient, in the order of `names` (the optimizer's
-    parameters); `losses`: the micro-batch losses (floats; zeros off the last stage); `group`: the
-    MonitorGroup whose monitors add their per-parameter sums to the tp/cp collectives, or None.
+    parameters); `losses`: the micro-batch losses (floats; zeros off the last stage); `exchange`: the
+    monitors' cross-rank payloads of the step (mindmon.cross_rank.CrossRankExchange), or None.
     """
 
     def __init__(self, layout, names: Sequence[str]):
@@ -58,24 +65,50 @@ class ModelParallelSums:
         self.weights = layout.norm_weights(SHARD_AXES, names)
         # A pipeline's micro-batch losses are known once the last stage has sent them.
         self.deferred_losses = layout.size("pp") > 1
+        self.job_axes = job_axes(layout)
 
-    def finish(self, squared_norms: np.ndarray, losses: Sequence[float], mean_loss: float, group):
-        layout, num_micro_steps = self.layout, len(losses)
+    def finish(self, squared_norms: np.ndarray, losses: Sequence[float], mean_loss: float, exchange):
+        layout = self.layout
         share = np.array([float(np.dot(self.weights, squared_norms))])
         for axis in PER_PARAMETER_AXES:
             if layout.size(axis) > 1:
-                payload = group.shard_sums(num_micro_steps) if group is not None else []
-                share, *sums = packed_sum(layout.groups[axis], [share] + payload)
-                if group is not None:
-                    group.receive_shard_sums(sums, num_micro_steps)
+                share, = self._with_payloads(axis, [share], exchange, shards=True)
         if layout.size("ep") > 1:
-            share, = packed_sum(layout.groups["ep"], [share])
+            share, = self._with_payloads("ep", [share], exchange)
         if layout.size("pp") > 1:
             last = 1.0 if layout.last_stage else 0.0
-            share, summed_losses, summed_mean = packed_sum(
-                layout.groups["pp"], [share, np.asarray(losses, np.float64) * last, np.array([mean_loss * last])])
+            share, summed_losses, summed_mean = self._with_payloads(
+                "pp", [share, np.asarray(losses, np.float64) * last, np.array([mean_loss * last])], exchange)
             losses, mean_loss = list(summed_losses), float(summed_mean[0])
         return float(np.sqrt(share[0])), list(losses), mean_loss
+
+    def _with_payloads(self, axis: str, arrays: list, exchange, shards: bool = False) -> list:
+        """`arrays` summed over the axis' group in one all-reduce, with the exchange's `shards` part (tp, cp)
+        and its `job` part (every axis of `job_axes`) riding along; those sums go back to the exchange."""
+        riding = []
+        if exchange is not None and shards:
+            riding.append(("shards", exchange.shards()))
+        if exchange is not None and axis in self.job_axes:
+            riding.append(("job", exchange.job()))
+        summed = packed_sum(self.layout.groups[axis], list(arrays) + [values for _, values in riding])
+        for (part, _), values in zip(riding, summed[len(arrays):]):
+            (exchange.set_shards if part == "shards" else exchange.set_job)(values)
+        return summed[:len(arrays)]
+
+
+def job_axes(layout) -> tuple:
+    """The model-parallel axes a sum over every rank of the job goes through after the data-parallel
+    all-reduce: each axis of more than one rank whose group does not lie inside the data-parallel group or
+    an axis' group already taken."""
+    taken = [set(layout.data_parallel.world_ranks())] if layout.data_parallel.active else []
+    axes = []
+    for axis in ("tp", "cp", "ep", "pp"):
+        if layout.size(axis) > 1:
+            members = set(layout.groups[axis].world_ranks())
+            if not any(members <= group for group in taken):
+                axes.append(axis)
+                taken.append(members)
+    return tuple(axes)
 
 
 def summed_over(layout, axes: Sequence[str], arrays: Sequence[np.ndarray]) -> list:

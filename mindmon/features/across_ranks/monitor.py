@@ -1,12 +1,17 @@
-"""The per-rank values of a step laid out as one row per rank, every row carried to every rank inside the
-step's one packed SUM all-reduce, and summarised by rank 0.
+"""The per-rank values of a step laid out as one row per data-parallel rank, every row carried to every rank
+inside the step's own packed SUM all-reduces (the `job` part of its CrossRankPayload), and summarised by rank 0.
 
 MindSpore's CPU AllReduce sums only, so the row travels as a gather made of a sum: each rank sends a
 (ranks x columns) buffer of zeros with its own row filled in; the sum is every rank's row, exactly (only
 zeros are added to a value, so NaN and infinities stay). min, max and the extremes' ranks then come from
 the rows, with no collective and no host sync of their own: the buffer joins the gradients' all-reduce,
-and the summed rows reach the host once, at step end. The price is ranks x columns float32 values more
-in that all-reduce (docs/performance.md).
+and the summed rows reach the host once. The price is ranks x columns float32 values more in that
+all-reduce (docs/performance.md). Norms travel squared and are rooted after the sum.
+
+Under tensor or context parallelism a row is a data-parallel replica's: each of its ranks adds its shards'
+squared norms, weighted as `ParallelLayout.norm_weight` counts every element once, and its first rank the
+losses and token counts; the same rows then go on through the model-parallel groups' sums, so each row holds
+the replica's full-parameter values.
 
 Columns, in this order (docs/outputs.md, "Cross-rank summaries"):
     local_loss at k            loss_k of the rank                            (train_state.local_loss)
@@ -15,14 +20,15 @@ Columns, in this order (docs/outputs.md, "Cross-rank summaries"):
     accumulated_norm/<p>       A_{K-1}, the rank's own accumulated gradient  (either norm filter)
     tokens_per_expert_step/<layer>/expert_<e>   the rank's own tokens in the step (moe_monitor)
 """
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from mindmon.engine import Monitor
+from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
 from mindmon.events import MicroBatchGradients, MicroBatchLoss, StepLoss
 from mindmon.features.across_ranks.summaries import Column, summary_records
 from mindmon.kernels.stats import SquaredNorms, to_float
+from mindmon.parallel.norms import PER_PARAMETER_AXES
 from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, LOCAL_LOSS, MICRO_NORM,
                              TOKENS_PER_EXPERT_STEP, Record)
 
@@ -32,13 +38,19 @@ ACCUMULATED_NORM = "accumulated_norm"
 class AcrossRanksMonitor(Monitor):
     """Example (a plain loop; the factory builds it from `monitor.across_ranks: {enabled: true}`):
         monitor = AcrossRanksMonitor(train_state_config, parameter_names, DataParallel(), on_host=True)
-        ... the train step records local_loss / local_norm / device_loss and packs `cross_rank_buffer(K)`
-        records = monitor.collect(step)   # on data-parallel rank 0: across_ranks records
+        ... the train step records local_loss / local_norm / device_loss and packs `cross_rank(K)`
+        records = monitor.collect(step)   # on the job's rank 0: across_ranks records
     """
 
     def __init__(self, train_state, parameter_names: Sequence[str], data_parallel, on_host: bool = True,
-                 moe=None, rank: int = 0):
+                 moe=None, rank: int = 0, layout=None):
+        """`layout`: a mindmon.parallel.ParallelLayout with tensor or context parallelism (rows are then the
+        data-parallel replicas'), or None."""
         self.size, self.dp_rank, self.rank = data_parallel.size, data_parallel.rank, rank
+        self.layout = layout if layout is not None and layout.model_parallel else None
+        first = self.layout is None or self.layout.writes_full_parameters
+        self.writes = self.dp_rank == 0 and first   # the job's first rank
+        self.parameter_names = list(parameter_names)
         self.on_host = on_host
         self.losses = bool(train_state and train_state.local_loss)
         self.device_loss = bool(train_state and train_state.device_loss)
@@ -52,7 +64,7 @@ class AcrossRanksMonitor(Monitor):
         self.moe = moe if moe is not None and moe.expert_parallel is None else None
         self.EVENTS = tuple(e for e, on in ((MicroBatchLoss, self.losses or self.device_loss),
                                             (MicroBatchGradients, bool(self.norm_indices)), (StepLoss, True)) if on)
-        self._columns = {}
+        self._columns, self._weights = {}, {}
         self.reset()
 
     @property
@@ -68,7 +80,7 @@ class AcrossRanksMonitor(Monitor):
             self._losses.append(event.loss)
         elif isinstance(event, MicroBatchGradients):
             self._add_norms(event.gradients)
-        elif isinstance(event, StepLoss) and self.size == 1:
+        elif isinstance(event, StepLoss) and self.size == 1 and self.layout is None:
             # One rank: the step's values are complete here, before the other monitors' collect.
             self._own_row = self._row(len(self._losses) or len(self._micro))
 
@@ -99,28 +111,47 @@ class AcrossRanksMonitor(Monitor):
                         for e in range(int(np.prod(cell.tokens_per_expert.shape)))]
         return columns
 
-    def cross_rank_buffer_size(self, num_micro_steps: int) -> int:
-        return self.size * len(self.columns(num_micro_steps)) if self.size > 1 else 0
+    def cross_rank_sizes(self, num_micro_steps: int) -> CrossRankSizes:
+        if self.size == 1 and self.layout is None:
+            return NO_CROSS_RANK
+        return CrossRankSizes(job=self.size * len(self.columns(num_micro_steps)))
 
-    def cross_rank_buffer(self, num_micro_steps: int):
-        """The (ranks x columns) zeros with this rank's row filled in, flat, as one float32 Tensor."""
-        from mindspore import Tensor, mint
-        import mindspore as ms
-
+    def cross_rank(self, num_micro_steps: int) -> Optional[CrossRankPayload]:
+        """The (ranks x columns) zeros with this rank's row filled in, flat: numpy on CPU, else a float32
+        Tensor still on the device."""
         row = self._row(num_micro_steps)
         if row is None:
             return None
         width = len(self.columns(num_micro_steps))
-        if isinstance(row, np.ndarray):   # CPU: laid out in numpy, one Tensor made
+        if self.layout is not None:
+            row = row * (self.weights(num_micro_steps) if isinstance(row, np.ndarray)
+                         else _tensor(self.weights(num_micro_steps)))
+        if isinstance(row, np.ndarray):
             rows = np.zeros((self.size, width), np.float32)
             rows[self.dp_rank] = row
-            return Tensor(rows.reshape(-1))
+            return CrossRankPayload(job=rows.reshape(-1))
+        from mindspore import mint
+        import mindspore as ms
+
         before = mint.zeros(self.dp_rank * width, dtype=ms.float32)
         after = mint.zeros((self.size - self.dp_rank - 1) * width, dtype=ms.float32)
-        return mint.cat([before, row, after])
+        return CrossRankPayload(job=mint.cat([before, row, after]))
 
-    def receive_cross_rank_buffer(self, summed) -> None:
-        self._summed = summed if self.dp_rank == 0 else None   # only rank 0 writes
+    def receive_cross_rank(self, summed: CrossRankPayload) -> None:
+        self._summed = summed.job if self.writes else None   # only rank 0 writes
+
+    def weights(self, num_micro_steps: int) -> np.ndarray:
+        """What this rank's row counts for in its replica's sum, per column: a norm column its parameter's
+        `norm_weight` over tp and cp; the rest 1 on the replica's first rank, else 0. Read at the first step,
+        once the train step has added the parameters' placements to the layout."""
+        if num_micro_steps not in self._weights:
+            per_parameter = self.layout.norm_weights(PER_PARAMETER_AXES, self.parameter_names)
+            weight = {self.parameter_names[i]: per_parameter[i] for i in self.norm_indices}
+            first = 1.0 if self.layout.writes_full_parameters else 0.0
+            self._weights[num_micro_steps] = np.array(
+                [weight[_parameter(c.name)] if _parameter(c.name) is not None else first
+                 for c in self.columns(num_micro_steps)], np.float32)
+        return self._weights[num_micro_steps]
 
     def _row(self, num_micro_steps: int):
         """This rank's values in column order: a float32 numpy array on CPU, else one float32 Tensor still
@@ -135,8 +166,8 @@ class AcrossRanksMonitor(Monitor):
             if len(self._micro) != num_micro_steps or self._accumulated is None:
                 return None
             if self.micro_indices:
-                pieces += [_sqrt(m) for m in self._micro]
-            pieces.append(_sqrt(self._accumulated))
+                pieces += list(self._micro)
+            pieces.append(self._accumulated)
         if self.moe is not None:
             tokens = self.moe.step_tokens()
             if tokens is None:
@@ -149,14 +180,17 @@ class AcrossRanksMonitor(Monitor):
     def collect(self, step: int) -> List[Record]:
         rows, num_micro_steps = None, len(self._losses) or len(self._micro)
         if self._summed is not None:
-            rows = self._summed.asnumpy().reshape(self.size, -1)   # the step's one transfer
-        elif self.size == 1 and self._own_row is not None:
+            rows = np.asarray(self._summed, np.float64).reshape(self.size, -1)
+        elif self.size == 1 and self.layout is None and self._own_row is not None:
             own = self._own_row
-            rows = (own if isinstance(own, np.ndarray) else own.asnumpy()).reshape(1, -1)
+            rows = np.asarray(own if isinstance(own, np.ndarray) else own.asnumpy(), np.float64).reshape(1, -1)
         self.reset()
-        if rows is None or self.dp_rank != 0:
+        if rows is None or not self.writes:
             return []
-        return summary_records(step, self.rank, self.columns(num_micro_steps), rows)
+        columns = self.columns(num_micro_steps)
+        norms = np.array([_parameter(c.name) is not None for c in columns])
+        rows[:, norms] = np.sqrt(rows[:, norms])   # they travelled squared
+        return summary_records(step, self.rank, columns, rows)
 
 
 def squared_norms(tensors: Sequence, on_host: bool):
@@ -181,12 +215,18 @@ def _stack(values: Sequence):
     return ops.stack([t.reshape(()).astype(ms.float32) for t in tensors])
 
 
-def _sqrt(squared):
-    if isinstance(squared, np.ndarray):
-        return np.sqrt(squared)
-    from mindspore import mint
+def _parameter(column_name: str) -> Optional[str]:
+    """The parameter a norm column is of, or None for a loss or token column."""
+    for prefix in (MICRO_NORM + "/", ACCUMULATED_NORM + "/"):
+        if column_name.startswith(prefix):
+            return column_name[len(prefix):]
+    return None
 
-    return mint.sqrt(squared)
+
+def _tensor(values: np.ndarray):
+    from mindspore import Tensor
+
+    return Tensor(values)
 
 
 def _concat(pieces: Sequence):

@@ -12,11 +12,11 @@ and `AccumulatingTrainStep` reads them after every micro-batch. A plain loop han
     group.emit(LossComponents(k))   # no components: ask the model
 (or, in the MindFormers monitor protocol, `group.record("loss_components", {...} or None, {"micro_step": k})`).
 """
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 
-from mindmon.engine import Monitor
+from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
 from mindmon.events import LossComponents, MicroBatchEnd
 from mindmon.kernels.stats import to_float
 from mindmon.records import LOSS_COMPONENT, LOSS_COMPONENT_STEP, Record
@@ -29,7 +29,7 @@ class LossComponentsMonitor(Monitor):
         self.model = model
         self.rank = rank
         self.max_components = max_components
-        self.cross_rank = cross_rank
+        self.summed_over_ranks = cross_rank
         self.names: List[str] = []        # in the order first seen: the data-parallel sum's slots
         self._handed_in = False           # the loop hands the components in: the model is not asked
         self._micro: Dict[int, dict] = {}
@@ -86,16 +86,17 @@ class LossComponentsMonitor(Monitor):
                 sums[1, self.names.index(name)] += 1
         return sums
 
-    def cross_rank_shapes(self) -> List[tuple]:
-        return [(2, self.max_components)] if self.cross_rank else []
+    # Each component's sum and count over the data-parallel ranks, in the gradients' all-reduce.
+    def cross_rank_sizes(self, num_micro_steps: int) -> CrossRankSizes:
+        return CrossRankSizes(data_parallel=2 * self.max_components) if self.summed_over_ranks else NO_CROSS_RANK
 
-    def cross_rank_sums(self):
-        from mindspore import Tensor
+    def cross_rank(self, num_micro_steps: int) -> Optional[CrossRankPayload]:
+        if not self.summed_over_ranks:
+            return None
+        return CrossRankPayload(data_parallel=self._local_sums(self._host_values()).reshape(-1))
 
-        return [Tensor(self._local_sums(self._host_values()).astype(np.float32))] if self.cross_rank else None
-
-    def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        self._sums = np.asarray(sums[0].asnumpy(), np.float64)
+    def receive_cross_rank(self, summed: CrossRankPayload) -> None:
+        self._sums = summed.data_parallel.reshape(2, self.max_components)
 
     def collect(self, step: int) -> List[Record]:
         values = self._host_values()

@@ -16,7 +16,7 @@ import numpy as np
 from mindmon.compat import named_cells
 from mindmon.config import ConfigError, short_repr
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
-from mindmon.engine import Monitor
+from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
 from mindmon.events import MicroBatchEnd, StepBegin
 from mindmon.formats.layout import global_micro_step
 from mindmon.records import (MOE_CV, MOE_DROPPED_TOKENS, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS,
@@ -136,7 +136,7 @@ class MoETokensMonitor(Monitor):
         # step totals are those vectors' sums (a data-parallel sum would add other ranks' experts).
         expert_parallel = layout.groups.get("ep") if layout is not None else None
         self.expert_parallel = expert_parallel if expert_parallel is not None and expert_parallel.active else None
-        self.cross_rank = cross_rank and self.expert_parallel is None  # step totals summed over data parallel
+        self.summed_over_ranks = cross_rank and self.expert_parallel is None  # step totals summed over data parallel
         selected = select_layers(model, config, logger or logging.getLogger("mindmon"))
         self.layers = [layer for layer, _ in selected]
         self.cells = [cell for _, cell in selected]
@@ -155,13 +155,16 @@ class MoETokensMonitor(Monitor):
         counts = [getattr(cell, "tokens_dropped", None) for cell in self.cells]
         return [np.nan if c is None else float(c.asnumpy()) for c in counts]
 
-    def cross_rank_shapes(self) -> List[tuple]:
+    def cross_rank_sizes(self, num_micro_steps: int) -> CrossRankSizes:
         """Each layer's tokens per expert, then (with a capacity-limited router) one value per layer: its
         dropped slots, summed over data parallel as the tokens are."""
-        if not self.cross_rank:
-            return []
-        drops = [(len(self.cells),)] if self._has_drops else []
-        return [tuple(cell.tokens_per_expert.shape) for cell in self.cells] + drops
+        if not self.summed_over_ranks:
+            return NO_CROSS_RANK
+        drops = len(self.cells) if self._has_drops else 0
+        return CrossRankSizes(data_parallel=sum(self._layer_sizes()) + drops)
+
+    def _layer_sizes(self) -> List[int]:
+        return [int(np.prod(cell.tokens_per_expert.shape)) for cell in self.cells]
 
     def _step_dropped(self) -> np.ndarray:
         """This rank's dropped slots of the step so far per layer (0 for a layer without a capacity limit)."""
@@ -169,19 +172,20 @@ class MoETokensMonitor(Monitor):
             return np.zeros(len(self.cells), np.float32)
         return np.nan_to_num(np.array(self._dropped()) - np.array(self._dropped_at_begin)).astype(np.float32)
 
-    def cross_rank_sums(self) -> List:
-        """This rank's step totals per layer, to be summed over the ranks with the gradients."""
-        from mindspore import Tensor
-
-        step_tokens = self.step_tokens() if self.cross_rank else None
+    def cross_rank(self, num_micro_steps: int) -> Optional[CrossRankPayload]:
+        """This rank's step totals per layer (and dropped slots), to be summed over the ranks with the
+        gradients; on a device they stay there until the all-reduce."""
+        step_tokens = self.step_tokens() if self.summed_over_ranks else None
         if step_tokens is None:
             return None
-        drops = [Tensor(self._step_dropped())] if self._has_drops else []
+        drops = self._step_dropped() if self._has_drops else np.zeros(0, np.float32)
         if isinstance(step_tokens, np.ndarray):
-            return [Tensor(layer.astype(np.float32)) for layer in step_tokens] + drops
-        from mindspore import ops
+            return CrossRankPayload(data_parallel=np.concatenate([step_tokens.reshape(-1), drops]).astype(np.float32))
+        from mindspore import Tensor, mint
+        import mindspore as ms
 
-        return list(ops.unstack(step_tokens)) + drops  # stays on the device until the all-reduce
+        tokens = step_tokens.reshape(-1).astype(ms.float32)
+        return CrossRankPayload(data_parallel=mint.cat([tokens, Tensor(drops)]) if drops.size else tokens)
 
     def step_tokens(self):
         """This rank's tokens per expert of the step so far, (layers, experts), numpy or still on the
@@ -190,11 +194,13 @@ class MoETokensMonitor(Monitor):
             return None
         return self._snapshots[-1] - self._snapshots[0]
 
-    def receive_cross_rank_sums(self, sums: Sequence) -> None:
-        sums = [np.rint(s.asnumpy()).astype(np.int64) for s in sums]
+    def receive_cross_rank(self, summed: CrossRankPayload) -> None:
+        counts = np.rint(summed.data_parallel).astype(np.int64)
+        sizes = self._layer_sizes()
+        layers = np.split(counts[:sum(sizes)], np.cumsum(sizes)[:-1])
+        self._all_ranks = [layer.reshape(cell.tokens_per_expert.shape) for layer, cell in zip(layers, self.cells)]
         if self._has_drops:
-            sums, self._dropped_all_ranks = sums[:-1], sums[-1]
-        self._all_ranks = sums
+            self._dropped_all_ranks = counts[sum(sizes):]
 
     def on_event(self, event) -> None:
         if isinstance(event, StepBegin):

@@ -12,7 +12,8 @@ def build(build, section: SpeedConfig) -> None:
     counter, peak, routed = _flop_parts(build, section) if section.flops else (None, None, None)
     build.add_monitor(SpeedMonitor(build.rank, build.data_parallel if build.cross_rank else None,
                                    build.global_batch_size, section.slow_rank_factor, flops=counter,
-                                   peak_flops_per_second=peak, routed=routed, throughput_drop=section.throughput_drop))
+                                   peak_flops_per_second=peak, routed=routed, throughput_drop=section.throughput_drop,
+                                   layout=build.layout))
 
 
 def _flop_parts(build, section: SpeedConfig):

@@ -1,5 +1,5 @@
 """SpeedMonitor: where one rank's step time goes, its throughput and memory, and, on rank 0, the spread of
-those over the data-parallel ranks and the slow rank.
+those over every rank of the job and the slow rank.
 
 Every time comes from the step events' own timestamps (`event.at`, taken by the group as it receives
 them), so the monitor adds no clock read and no synchronisation of its own; on Ascend and GPU the phases of
@@ -16,10 +16,10 @@ it with nothing left over:
 
 mindmon's time inside a phase's interval is taken out of that phase and counted under `mindmon`.
 
-Across ranks, each rank's row rides in the step's gradient all-reduce (one slot per data-parallel rank of
-a buffer summed over the ranks, so the sum is every rank's row): the computing time before the collective
-of this step, and the previous step's phases and throughput (the current step's are not over yet when the
-collective runs). Rank 0 writes their min / mean / max and the ranks of the extremes, and names a rank
+Across ranks, each rank's row rides in the step's own collectives (the `job` part of its CrossRankPayload:
+one slot per rank of the job, summed over the data-parallel group and then every model-parallel group, so
+the sum is every rank's row): the computing time before the collective of this step, and the previous
+step's phases and throughput (the current step's are not over yet when the collective runs). Rank 0 writes their min / mean / max and the ranks of the extremes, and names a rank
 whose computing time exceeds `slow_rank_factor` times the median: all-reduce makes every rank's wall time
 equal, so the slow rank is the one that computed longest (and waited least inside the collective).
 """
@@ -29,7 +29,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from mindmon.engine import Monitor
+from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
 from mindmon.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, StepEnd, StepWritten,
                             UpdateDone)
 from mindmon.features.across_ranks.summaries import Column, summary_records
@@ -66,15 +66,25 @@ class SpeedMonitor(Monitor):
     def __init__(self, rank: int = 0, data_parallel=None, global_batch_size: Optional[int] = None,
                  slow_rank_factor: float = 1.2, memory: Optional[MemoryPeaks] = None, flops=None,
                  peak_flops_per_second: Optional[float] = None, routed: Optional[Callable[[], Optional[dict]]] = None,
-                 throughput_drop: float = 0.5):
+                 throughput_drop: float = 0.5, layout=None):
         """`flops`: a mindmon.features.speed.flops.FlopCounter attached to the model, or None; `routed`: this
-        step's tokens per expert by MoE layer, read at StepEnd (before the MoE monitor lets them go)."""
+        step's tokens per expert by MoE layer, read at StepEnd (before the MoE monitor lets them go);
+        `data_parallel` (None: this rank alone) and `layout` (a mindmon.parallel.ParallelLayout, or None):
+        the ranks compared."""
         self.rank = rank
         self.flops, self.peak, self.routed = flops, peak_flops_per_second, routed
         self._routed_now: Optional[dict] = None
         self.throughput_drop = throughput_drop
         self._recent_rates: deque = deque(maxlen=RECENT_STEPS)
         self.data_parallel = data_parallel if data_parallel is not None and data_parallel.active else None
+        # The rows compared across ranks: one per rank of the job (its slot: the world rank) under model
+        # parallelism, else one per data-parallel rank.
+        if layout is not None and layout.model_parallel:
+            self.slots, self.slot = _world_size(layout), layout.rank
+        elif self.data_parallel is not None:
+            self.slots, self.slot = self.data_parallel.size, self.data_parallel.rank
+        else:
+            self.slots, self.slot = 1, 0
         self.global_batch_size = global_batch_size
         self.slow_rank_factor = slow_rank_factor
         self.memory = memory if memory is not None else MemoryPeaks()
@@ -104,21 +114,19 @@ class SpeedMonitor(Monitor):
                 self._routed_now = self.routed()
             self._events[type(event)] = event
 
-    # The cross-rank buffer: one row per data-parallel rank, this rank's in its own slot.
-    def cross_rank_buffer_size(self, num_micro_steps: int) -> int:
-        return self.data_parallel.size * len(ROW) if self.data_parallel is not None else 0
+    # One row per rank of the job, this rank's in its own slot.
+    def cross_rank_sizes(self, num_micro_steps: int) -> CrossRankSizes:
+        return CrossRankSizes(job=self.slots * len(ROW)) if self.slots > 1 else NO_CROSS_RANK
 
-    def cross_rank_buffer(self, num_micro_steps: int):
-        from mindspore import Tensor
-
-        rows = np.zeros((self.data_parallel.size, len(ROW)), np.float32)
+    def cross_rank(self, num_micro_steps: int) -> CrossRankPayload:
+        rows = np.zeros((self.slots, len(ROW)), np.float32)
         row = np.full(len(ROW), np.nan) if self._previous_row is None else self._previous_row.copy()
         row[0] = self._compute_seconds()
-        rows[self.data_parallel.rank] = row
-        return Tensor(rows.reshape(-1))
+        rows[self.slot] = row
+        return CrossRankPayload(job=rows.reshape(-1))
 
-    def receive_cross_rank_buffer(self, summed) -> None:
-        self._rows = summed.asnumpy().astype(np.float64).reshape(self.data_parallel.size, len(ROW))
+    def receive_cross_rank(self, summed: CrossRankPayload) -> None:
+        self._rows = summed.job.reshape(self.slots, len(ROW))
 
     def _compute_seconds(self) -> float:
         begin, reduce = self._events.get(StepBegin), self._events.get(ReduceBegin)
@@ -221,7 +229,7 @@ class SpeedMonitor(Monitor):
         return [Record(step, None, self.rank, ETA, "seconds", max(end.max_steps - step, 0) * per_step)]
 
     def _across_ranks(self, step: int) -> List[Record]:
-        if self._rows is None or self.data_parallel is None or self.data_parallel.rank != 0:
+        if self._rows is None or self.slot != 0:
             return []
         rows = self._rows
         records = summary_records(step, self.rank, [Column(None, f"{STEP_TIME}/compute")], rows[:, :1])
@@ -243,3 +251,11 @@ class SpeedMonitor(Monitor):
     def close(self) -> None:
         if self.flops is not None:
             self.flops.detach()
+
+
+def _world_size(layout) -> int:
+    """The ranks of the job: the world, or the product of the groups' sizes (an expert-parallel group lies
+    inside the data-parallel one)."""
+    if layout.world_size:
+        return int(layout.world_size)
+    return int(np.prod([layout.size(axis) for axis in ("dp", "tp", "pp", "cp")]))

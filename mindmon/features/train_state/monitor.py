@@ -15,7 +15,7 @@ import numpy as np
 
 from mindmon.config import ConfigError
 from mindmon.features.train_state.config import TrainStateConfig
-from mindmon.engine import Monitor
+from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
 from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss, StepLoss
 from mindmon.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
 from mindmon.parallel.norms import ShardedNorms
@@ -101,18 +101,20 @@ class TrainStateMonitor(Monitor):
         if self.config.local_norm.enabled:
             self._norms.put(("micro", micro_step), squared.micro[self._index_array])
 
-    def shard_sum_size(self, num_micro_steps: int) -> int:
-        return self._shards.size(num_micro_steps) if self._shards is not None else 0
+    # Under tensor / context parallelism: the per-parameter squared norms summed over the shards.
+    def cross_rank_sizes(self, num_micro_steps: int) -> CrossRankSizes:
+        return CrossRankSizes(shards=self._shards.size(num_micro_steps)) if self._shards is not None \
+            else NO_CROSS_RANK
 
-    def shard_sums(self, num_micro_steps: int):
+    def cross_rank(self, num_micro_steps: int) -> Optional[CrossRankPayload]:
         if self._shards is None:
             return None
-        return self._shards.current(num_micro_steps, self._norms.results(), self._micro_steps,
-                                    self.config.local_norm.enabled)
+        return CrossRankPayload(shards=self._shards.current(num_micro_steps, self._norms.results(),
+                                                            self._micro_steps, self.config.local_norm.enabled))
 
-    def receive_shard_sums(self, sums) -> None:
+    def receive_cross_rank(self, summed: CrossRankPayload) -> None:
         if self._shards is not None:
-            self._shards.receive(sums)
+            self._shards.receive(summed.shards)
 
     def collect(self, step: int) -> List[Record]:
         records = []
