@@ -8,7 +8,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 from mindmon.features.speed.flops import AttentionSpec, ExpertSpec, FlopCounter, StepFlops, mfu
-from mindmon.features.speed.peaks import PeakFinder, peak_flops
+from mindmon.features.speed.peaks import PeakFinder, find_device, peak_flops
 
 BATCH, SEQ, HIDDEN, HEADS, FFN, VOCAB, LAYERS = 2, 8, 16, 2, 32, 24, 2
 TOKENS = BATCH * SEQ
@@ -251,6 +251,34 @@ def test_known_devices_have_sourced_peaks():
     assert peak_flops("Tesla V100-SXM2-32GB", ms.bfloat16).flops_per_second is None   # no bf16 on V100
     assert peak_flops("Ascend910A", "float16").flops_per_second == 256e12
     assert peak_flops("Ascend910B2", "float16").flops_per_second is None   # no per-SoC figure published
+
+
+@pytest.mark.parametrize("name, label", [
+    ("Ascend910B1", "Ascend 910B"), ("Ascend910B2", "Ascend 910B"), ("Ascend910B2C", "Ascend 910B"),
+    ("Ascend910B3", "Ascend 910B"), ("Ascend910B4", "Ascend 910B"), ("Ascend910B4-1", "Ascend 910B"),
+    ("Ascend910_9391", "Ascend 910C (one die)"), ("Ascend910_9392", "Ascend 910C (one die)"),
+    ("Ascend910_9381", "Ascend 910C (one die)"), ("Ascend910_9382", "Ascend 910C (one die)"),
+    ("Ascend910_9372", "Ascend 910C (one die)"), ("Ascend910_9362", "Ascend 910C (one die)"),
+    ("NVIDIA A800-SXM4-80GB", "NVIDIA A800 (SXM4, PCIe)"), ("NVIDIA A800 80GB PCIe", "NVIDIA A800 (SXM4, PCIe)"),
+    ("NVIDIA H800", "NVIDIA H800"), ("NVIDIA H800 PCIe", "NVIDIA H800"), ("NVIDIA H20", "NVIDIA H20"),
+])
+def test_recognised_devices_without_a_citable_figure_have_no_peak_and_say_why(name, label):
+    assert find_device(name).label == label
+    for dtype in ("bfloat16", "float16", "float32"):
+        peak = peak_flops(name, dtype)
+        assert peak.flops_per_second is None
+        assert label in peak.source and "no vendor datasheet" in peak.source and name in peak.source
+
+
+def test_the_lookup_keeps_the_older_and_neighbouring_names_apart():
+    a800 = peak_flops("NVIDIA A800 40GB Active", "bfloat16")
+    assert a800.flops_per_second == 312e12 and "A800 40GB Active datasheet" in a800.source
+    assert peak_flops("NVIDIA A800 40GB Active", "float32").flops_per_second == 19.5e12
+    assert find_device("Ascend910B") is None            # the older 910 (910 Pro B), not a 910B1..B4
+    assert find_device("Ascend910ProA") is None
+    assert find_device("Ascend910A").label == "Ascend 910 (910A)"
+    assert find_device("NVIDIA H200") is None           # not the H20
+    assert find_device("NVIDIA H100 80GB HBM3").label == "NVIDIA H100 SXM"
 
 
 def test_unknown_device_has_no_mfu_and_says_so_once(caplog):

@@ -16,11 +16,21 @@ _H100 = "NVIDIA H100 Tensor Core GPU datasheet (https://www.nvidia.com/en-us/dat
 _L40S = "NVIDIA L40S GPU datasheet (https://www.nvidia.com/en-us/data-center/l40s/)"
 _ASCEND_910 = ("Huawei, Ascend 910 launch, 23 Aug 2019 "
                "(https://www.huawei.com/en/news/2019/8/huawei-ascend-910-most-powerful-ai-processor)")
+_A800 = "NVIDIA A800 40GB Active datasheet (https://www.nvidia.com/en-us/design-visualization/a800/)"
+# Devices mindmon recognises by name but for which no vendor datasheet giving the device's own dense figure
+# was found: their rows have no figures (no MFU without monitor.speed.peak_tflops), and say why.
+_NO_DATASHEET = "no vendor datasheet with a per-device dense figure was found"
+_ASCEND_910B = f"{_NO_DATASHEET}: Huawei's product pages give Atlas servers' and cards' figures, not the SoCs'"
+_ASCEND_910C = (f"{_NO_DATASHEET}: Huawei gives the Atlas A3 systems' totals, and MindSpore sees each of a 910C's "
+                f"two dies as one device")
+_NVIDIA_CHINA = f"{_NO_DATASHEET} on nvidia.com for this China-market part"
 
 
 @dataclass(frozen=True)
 class Device:
-    """One row of the table: `names` matches the device name MindSpore reports (upper case)."""
+    """One row of the table: `names` matches the device name MindSpore reports (upper case); `tflops` the
+    dense figure per dtype, empty for a device recognised without a citable figure; `source` where the
+    figures come from, or why there are none."""
 
     label: str
     names: str
@@ -38,6 +48,16 @@ DEVICES: Tuple[Device, ...] = (
     Device("NVIDIA H100 SXM", r"\bH100\b", {"bfloat16": 989.5, "float16": 989.5, "float32": 67.0}, _H100),
     Device("NVIDIA L40S", r"\bL40S\b", {"bfloat16": 362.05, "float16": 362.05, "float32": 91.6}, _L40S),
     Device("Ascend 910 (910A)", r"^ASCEND910A$", {"float16": 256.0}, _ASCEND_910),
+    # The SoC names as CANN spells them (its soc_version values, the form get_device_name gives on Ascend):
+    # Ascend910B1..B4 (and B2C, B4-1); a 910C die is Ascend910_93xx (9391, 9392, 9381, 9382, 9372, 9362).
+    Device("Ascend 910B", r"^ASCEND910B[1-4]", {}, _ASCEND_910B),
+    Device("Ascend 910C (one die)", r"^ASCEND910_93\d\d$", {}, _ASCEND_910C),
+    # The CUDA device names (cudaDeviceProp.name) lose their "NVIDIA " prefix in find_device.
+    Device("NVIDIA A800 40GB Active", r"\bA800 40GB ACTIVE\b", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+           _A800),
+    Device("NVIDIA A800 (SXM4, PCIe)", r"\bA800\b", {}, _NVIDIA_CHINA),
+    Device("NVIDIA H800", r"\bH800\b", {}, _NVIDIA_CHINA),
+    Device("NVIDIA H20", r"\bH20\b", {}, _NVIDIA_CHINA),
 )
 
 
@@ -71,9 +91,12 @@ def peak_flops(device: Optional[str], dtype, override_tflops: Optional[float] = 
         return Peak(float(override_tflops) * 1e12, f"monitor.speed.peak_tflops: {override_tflops} TFLOP/s")
     key = dtype_key(dtype)
     row = find_device(device)
-    if row is None or key not in row.tflops:
-        what = f"device {device!r}" if row is None else f"{row.label} in {key}"
-        return Peak(None, f"no peak for {what} in mindmon's table (docs/flops.md)")
+    if row is None:
+        return Peak(None, f"no peak for device {device!r} in mindmon's table (docs/flops.md)")
+    if not row.tflops:
+        return Peak(None, f"no peak for {row.label} ({device}) in mindmon's table: {row.source} (docs/flops.md)")
+    if key not in row.tflops:
+        return Peak(None, f"no peak for {row.label} in {key} in mindmon's table (docs/flops.md)")
     return Peak(row.tflops[key] * 1e12, f"{row.label} {key} dense: {row.tflops[key]} TFLOP/s ({row.source})")
 
 
