@@ -81,7 +81,8 @@ def test_a_collection_point_takes_the_same_kernels_for_8_and_64_tensors(layers):
 def test_mixed_dtypes_take_one_group_each_and_give_numpys_numbers():
     rng = np.random.default_rng(5)
     data = [rng.normal(0.3, 2.0, (40, 30)), np.array([1.0, np.nan, -4.0, 0.0]), np.zeros((3, 5)),
-            np.array(2.5), rng.normal(size=70000), np.zeros((0, 4)), np.array([np.inf, 1.0, -2.0])]
+            np.array(2.5), rng.normal(size=70000), np.zeros((0, 4)), np.array([np.inf, 1.0, -2.0]),
+            np.full(3, -np.inf), np.array(np.inf)]
     tensors = [Tensor(a.astype(np.float32)) for a in data]
     tensors += [Tensor(rng.normal(size=(16, 8)).astype(np.float32)).astype(ms.float16),
                 Tensor(np.array([0.0, 3.0, np.nan], np.float32)).astype(ms.float16),
@@ -95,6 +96,7 @@ def test_mixed_dtypes_take_one_group_each_and_give_numpys_numbers():
     assert values[2][:6].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]   # all zeros
     assert np.isnan(values[1][:3]).all() and values[1][4:6].tolist() == [0.25, 1.0]
     assert values[6][1] == np.inf and values[6][3] == np.inf
+    assert values[7][:2].tolist() == [-np.inf, -np.inf] and values[8][:2].tolist() == [np.inf, np.inf]
 
 
 @pytest.mark.parametrize("layers", [4, 32], ids=["8_tensors", "64_tensors"])

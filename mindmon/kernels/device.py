@@ -4,8 +4,8 @@ with the number of tensors.
 Off the CPU a statistic is a MindSpore operation dispatched from Python, and the host's dispatch rate
 bounds the step: one operation per tensor per statistic is tens of thousands a step for a model of a few
 hundred tensors. Here the tensors of one call are flattened (views), concatenated once per dtype (cast to
-float32 once), and reduced by segment reductions: `unsorted_segment_sum` of the columns every statistic
-needs (the values, their squares, NaN flags, small-magnitude flags) and `unsorted_segment_min/max`. What
+float32 once), and reduced by segment reductions: `unsorted_segment_sum` of the columns the statistics
+need (the values, their squares, NaN flags, small-magnitude flags) and `unsorted_segment_min/max`. What
 is left is finished on the host from a few numbers per tensor, after the one transfer of the step
 (`read_all`): mean = sum / size, norm = sqrt(sum of squares), min/max NaN when the tensor holds a NaN,
 empty tensors as the host path gives them.
@@ -145,7 +145,7 @@ def _segment_sums(columns, ids: SegmentIds):
 
 # The sums a statistic needs: the values, their squares, NaN flags, |x| < eps flags.
 _SUMS_FOR = {"mean": ("values",), "id": ("values",), "norm": ("squares",), "nans": ("nans",),
-             "min": ("nans",), "max": ("nans",), "zeros": ("small",)}
+             "min": ("nans", "values"), "max": ("nans", "values"), "zeros": ("small",)}
 _SUMS = ("values", "squares", "nans", "small")
 
 
@@ -196,14 +196,25 @@ def device_statistics(tensors: Sequence, ops: Sequence[str], eps: float) -> Devi
             with np.errstate(invalid="ignore", divide="ignore"):
                 values = {"mean": lambda: found["values"] / size, "norm": lambda: np.sqrt(found["squares"]),
                           "zeros": lambda: found["small"] / size, "nans": lambda: found["nans"],
-                          "min": lambda: np.where(poisoned, np.nan, found["min"]),
-                          "max": lambda: np.where(poisoned, np.nan, found["max"]),
+                          "min": lambda: np.where(poisoned, np.nan, _infinite_extreme(found["min"], found["values"])),
+                          "max": lambda: np.where(poisoned, np.nan, _infinite_extreme(found["max"], found["values"])),
                           "id": lambda: np.where([scalars[i] for i in indices], found["values"], np.nan)}
                 for column, op in enumerate(ops):
                     rows[indices, column] = values[op]()
         return rows
 
     return DeviceRows(parts, finish)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _infinite_extreme(extreme: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """MindSpore's segment max starts from float32's lowest number, its min from the largest: a tensor whose
+    elements are all -inf gets max -3.4e38 (all +inf: min 3.4e38). Its sum says which: -inf (+inf). (A
+    tensor of only -inf and exactly -3.4e38 would be told -inf too.)"""
+    return np.where((np.abs(extreme) == _FLOAT32_MAX) & (total == np.sign(extreme) * np.inf),
+                    np.sign(extreme) * np.inf, extreme)
 
 
 def device_squared_norms(tensors: Sequence) -> DeviceRows:
