@@ -121,7 +121,7 @@ def test_megatron_file_lines(tmp_path):
 def test_profiler_written_to_line(tmp_path, caplog):
     """The line built when MindSpore reports the trace ready; the trace folder MindSpore would make is
     made here by the stand-in for its trace handler (no profiler runs)."""
-    config = ProfilerConfig.parse({"enable_profiling": True, "start_step": 3, "end_step": 5,
+    config = ProfilerConfig.parse("profiler", {"enable_profiling": True, "start_step": 3, "end_step": 5,
                                    "output_path": str(tmp_path)})
     callback = ProfilerCallback(config, rank=0, logger=logging.getLogger("mindmon-golden"))
     callback.window = ProfileWindow(first=3, last=5, skip_first=1, warmup=1)

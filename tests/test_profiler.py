@@ -233,7 +233,7 @@ def test_callback_resumed_at_step_100_records_global_steps_105_106(tmp_path):
     net = nn.Dense(4, 4)
     optimizer = nn.SGD(net.trainable_params(), 0.1)
     grad_fn = ms.value_and_grad(lambda x: (net(x) ** 2).mean(), None, optimizer.parameters)
-    config = ProfilerConfig.parse({"enable_profiling": True, "start_step": 105, "end_step": 106,
+    config = ProfilerConfig.parse("profiler", {"enable_profiling": True, "start_step": 105, "end_step": 106,
                                    "output_path": str(tmp_path)})
     callback = ProfilerCallback(config)
     state = SimpleNamespace(global_step=100)
@@ -264,7 +264,7 @@ def test_scenario_reaches_mindspore_as_configured(tmp_path, caplog, name, level,
     """What MindSpore's profiler context holds once the callback has built the profile."""
     from mindspore.profiler import ProfilerActivity
 
-    config = ProfilerConfig.parse({**load_yaml(str(REPO / "configs" / name))["profiler"], "output_path": str(tmp_path)})
+    config = ProfilerConfig.parse("profiler", {**load_yaml(str(REPO / "configs" / name))["profiler"], "output_path": str(tmp_path)})
     callback = ProfilerCallback(config)
     with caplog.at_level(logging.WARNING, logger="mindmon"):
         callback.on_train_begin(None, SimpleNamespace(global_step=0))
@@ -285,7 +285,7 @@ def test_scenario_reaches_mindspore_as_configured(tmp_path, caplog, name, level,
 @pytest.mark.parametrize("mstx, runs_as", [(True, "LevelNone"), (False, "Level0")])
 def test_level_outside_0_1_2_is_level_none_with_a_warning(tmp_path, caplog, mstx, runs_as):
     """Mapped to LevelNone as documented; MindSpore 2.9 keeps LevelNone only with mstx on."""
-    config = ProfilerConfig.parse({"enable_profiling": True, "start_step": 3, "end_step": 3, "profiler_level": 7,
+    config = ProfilerConfig.parse("profiler", {"enable_profiling": True, "start_step": 3, "end_step": 3, "profiler_level": 7,
                                    "mstx": mstx, "output_path": str(tmp_path)})
     with caplog.at_level(logging.WARNING, logger="mindmon"):
         callback = ProfilerCallback(config)
@@ -303,14 +303,14 @@ def test_unusable_output_path_is_a_config_error_before_step_1(tmp_path):
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    config = ProfilerConfig.parse({"enable_profiling": True, "output_path": str(blocker)})
+    config = ProfilerConfig.parse("profiler", {"enable_profiling": True, "output_path": str(blocker)})
     callback = ProfilerCallback(config)
     with pytest.raises(ConfigError, match=r"^profiler\.output_path: got .*a_file.*cannot write"):
         callback.on_train_begin(None, SimpleNamespace(global_step=0))
 
 
 def test_a_profiler_that_fails_to_start_is_logged_and_training_goes_on(tmp_path, caplog):
-    config = ProfilerConfig.parse({"enable_profiling": True, "output_path": str(tmp_path / "prof")})
+    config = ProfilerConfig.parse("profiler", {"enable_profiling": True, "output_path": str(tmp_path / "prof")})
     callback = ProfilerCallback(config)
     callback._start = lambda: (_ for _ in ()).throw(RuntimeError("no profiler here"))
     state = SimpleNamespace(global_step=0)

@@ -4,53 +4,54 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
-from mindmon.config import check_keys, is_int, type_error, value_error
+from mindmon.config import Section, is_int, setting, type_error, value_error
+from mindmon.config.fields import custom, integer, optional
+
+
+def _target_layers(key: str, layers: Any) -> Union[None, int, Tuple[int, ...]]:
+    if isinstance(layers, (list, tuple)):
+        if not all(is_int(x) and x >= 0 for x in layers) or not layers:
+            raise value_error(key, layers, "a non-empty list of layer ids >= 0")
+        repeated = sorted(x for x, n in Counter(layers).items() if n > 1)
+        if repeated:
+            raise value_error(key, layers, f"distinct layer ids (listed more than once: {repeated[:10]}); "
+                                            f"each layer would be counted once per listing")
+        return tuple(layers)
+    if layers is not None and not is_int(layers):
+        raise type_error(key, layers, "None (all MoE layers), an int N (layers 0..N-1) or a list of ints")
+    if is_int(layers) and layers <= 0:
+        raise value_error(key, layers, "a positive int N (layers 0..N-1)")
+    return layers
 
 
 @dataclass(frozen=True)
-class MoEMonitorConfig:
+class MoEMonitorConfig(Section):
     """`monitor.moe_monitor`: tokens per expert."""
 
-    save_tokens_per_expert_interval: Optional[int] = None
-    target_layers: Union[None, int, Tuple[int, ...]] = None
-    layer_pattern: Optional[str] = None   # a regex over module names whose one group is the decoder layer id
+    save_tokens_per_expert_interval: Optional[int] = setting(
+        None, optional(integer(1, None, "None (off) or a positive int", kind="int")), shown_default="`None` (off)")
+    """Write the micro-steps whose global micro-step count `iter` is a multiple of N; a bool is a
+    `TypeError`, 0/negative a `ValueError`."""
 
-    KEYS = ("save_tokens_per_expert_interval", "target_layers", "layer_pattern")
+    target_layers: Union[None, int, Tuple[int, ...]] = setting(None, custom("int, list[int], None", _target_layers))
+    """int N = decoder layers 0..N-1; list = exactly these decoder layer ids (each once); None = every module
+    with `tokens_per_expert`, MTP included."""
+
+    layer_pattern: Optional[str] = setting(None, custom("str (a regular expression) or None",
+                                                        lambda path, value: _layer_pattern(path, value)))
+    """How the model names its decoder layers, one group = the layer id (`"\\\\.blk\\\\.(\\\\d+)\\\\."`); tried before
+    the built-in schemes `decoder.layers.<L>`, `model.layers.<L>`, `h.<L>`, `layers.<L>`/`blocks.<L>`; a
+    pattern that does not compile or has not exactly one group is a `ConfigError`."""
 
     @property
     def active(self) -> bool:
         return self.save_tokens_per_expert_interval is not None
 
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "MoEMonitorConfig":
-        section = check_keys(path, section, cls.KEYS)
-        interval = section.get("save_tokens_per_expert_interval")
-        key = f"{path}.save_tokens_per_expert_interval"
-        if interval is not None:
-            if not is_int(interval):
-                raise type_error(key, interval, "None (off) or a positive int")
-            if interval <= 0:
-                raise value_error(key, interval, "None (off) or a positive int")
-        layers = section.get("target_layers")
-        key = f"{path}.target_layers"
-        if isinstance(layers, (list, tuple)):
-            if not all(is_int(x) and x >= 0 for x in layers) or not layers:
-                raise value_error(key, layers, "a non-empty list of layer ids >= 0")
-            repeated = sorted(x for x, n in Counter(layers).items() if n > 1)
-            if repeated:
-                raise value_error(key, layers, f"distinct layer ids (listed more than once: {repeated[:10]}); "
-                                                f"each layer would be counted once per listing")
-            layers = tuple(layers)
-        elif layers is not None and not is_int(layers):
-            raise type_error(key, layers, "None (all MoE layers), an int N (layers 0..N-1) or a list of ints")
-        elif is_int(layers) and layers <= 0:
-            raise value_error(key, layers, "a positive int N (layers 0..N-1)")
-        return cls(interval, layers, _layer_pattern(f"{path}.layer_pattern", section.get("layer_pattern")))
-
     def to_dict(self) -> dict:
-        layers = list(self.target_layers) if isinstance(self.target_layers, tuple) else self.target_layers
-        out = {"save_tokens_per_expert_interval": self.save_tokens_per_expert_interval, "target_layers": layers}
-        return {**out, "layer_pattern": self.layer_pattern} if self.layer_pattern else out   # the upstream keys
+        out = super().to_dict()
+        if not self.layer_pattern:
+            del out["layer_pattern"]   # the upstream keys only, unless mindmon's own is set
+        return out
 
 
 def _layer_pattern(path: str, value: Any) -> Optional[str]:

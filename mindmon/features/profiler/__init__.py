@@ -11,5 +11,5 @@ def callbacks(group, section: ProfilerConfig, logger) -> list:
     return [ProfilerCallback(section, group.rank, logger)]
 
 
-FEATURE = Feature("profiler", "profiler", parse=lambda path, section: ProfilerConfig.parse(section, path), callbacks=callbacks,
+FEATURE = Feature("profiler", "profiler", parse=ProfilerConfig.parse, callbacks=callbacks,
                   example={"profiler": {"enable_profiling": True, "start_step": 1, "end_step": 1}})

@@ -62,7 +62,7 @@ class ProfilerCallback(TrainerCallback):
     MonitorGroup builds it from the `profiler:` section when `enable_profiling` is on and this
     rank is in `profiler_rank`; in a plain loop, call the events yourself:
 
-        callback = ProfilerCallback(ProfilerConfig.parse({"enable_profiling": True, "start_step": 3, "end_step": 4}))
+        callback = ProfilerCallback(ProfilerConfig.parse("profiler", {"enable_profiling": True, "start_step": 3, "end_step": 4}))
         callback.on_train_begin(None, state)      # state.global_step = steps already done (0, or the resume step)
         for step in ...:
             callback.on_step_begin(None, state)

@@ -1,30 +1,49 @@
 """The `profiler` section."""
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Optional, Set, Tuple
 
-from mindmon.config import ConfigError, check_bool, check_directory, check_keys, is_int, parse_ranks, type_error, value_error
+from mindmon.config import ConfigError, Section, setting
+from mindmon.config.fields import boolean, directory, integer, optional, positive_int, ranks
 
 
 PROFILER_LEVELS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
-class ProfilerConfig:
+class ProfilerConfig(Section):
     """The `profiler` section. `profiler_level` outside 0/1/2 means LevelNone."""
 
-    enable_profiling: bool = False
-    start_step: int = 1
-    end_step: int = 1
-    output_path: Optional[str] = None
-    profiler_rank: Optional[Tuple[int, ...]] = None
-    profiler_level: int = 0
-    mstx: bool = False
-    profile_memory: bool = False
-    profile_cpu: bool = True
-    with_stack: bool = True
+    enable_profiling: bool = setting(False, boolean())
+    """Switches the profiler on."""
 
-    KEYS = ("enable_profiling", "start_step", "end_step", "output_path", "profiler_rank", "profiler_level",
-            "mstx", "profile_memory", "profile_cpu", "with_stack")
+    start_step: int = setting(1, positive_int(type_allowed="an int"))
+    """First global step recorded (1-based, the step the training log line counts)."""
+
+    end_step: int = setting(1, positive_int(type_allowed="an int"))
+    """Last global step recorded, >= `start_step`; must be set when `start_step` is not 1."""
+
+    output_path: Optional[str] = setting(None, optional(directory("None or a non-empty directory path")),
+                                         shown_default="`None` (= `<cwd>/profile`)")
+    """The trace goes to `<output_path>/rank_<r>/` (a relative path is relative to the working directory)."""
+
+    profiler_rank: Optional[Tuple[int, ...]] = setting(None, ranks(), shown_default="`None` (all ranks)")
+    """Ranks that profile."""
+
+    profiler_level: int = setting(0, integer(allowed="an int"))
+    """`ProfilerLevel.Level0/1/2`; any other int maps to `LevelNone` with a warning (MindSpore 2.9 keeps
+    `LevelNone` only with `mstx: True`, otherwise it runs `Level0`)."""
+
+    mstx: bool = setting(False, boolean())
+    """Passed to `_ExperimentalConfig`, and one `mstx` range marker per step (`step N`); markers need an NPU."""
+
+    profile_memory: bool = setting(False, boolean())
+    """Tensor memory."""
+
+    profile_cpu: bool = setting(True, boolean())
+    """Host CPU activity next to the NPU's."""
+
+    with_stack: bool = setting(True, boolean())
+    """Python call stacks."""
 
     @property
     def active(self) -> bool:
@@ -37,35 +56,10 @@ class ProfilerConfig:
     def selects_rank(self, rank: int) -> bool:
         return self.profiler_rank is None or rank in self.profiler_rank
 
-    @classmethod
-    def parse(cls, section: Any, path: str = "profiler") -> "ProfilerConfig":
-        section = check_keys(path, section, cls.KEYS)
-        out = {k: check_bool(f"{path}.{k}", section[k])
-               for k in ("enable_profiling", "mstx", "profile_memory", "profile_cpu", "with_stack") if k in section}
-        for key in ("start_step", "end_step", "profiler_level"):
-            if key in section and not is_int(section[key]):
-                raise type_error(f"{path}.{key}", section[key], "an int")
-        for key in ("start_step", "end_step"):
-            if key in section and section[key] <= 0:
-                raise value_error(f"{path}.{key}", section[key], "a positive int")
-        if "start_step" in section and section["start_step"] != 1 and "end_step" not in section:
-            raise ConfigError(f"{path}.end_step: missing while {path}.start_step is {section['start_step']}; "
+    def validate(self, path: str, given: Set[str]) -> None:
+        if "start_step" in given and self.start_step != 1 and "end_step" not in given:
+            raise ConfigError(f"{path}.end_step: missing while {path}.start_step is {self.start_step}; "
                               f"allowed: an end_step >= start_step (the default end_step 1 would leave the window empty)")
-        start, end = section.get("start_step", 1), section.get("end_step", 1)
-        if end < start:
-            raise ConfigError(f"{path}.end_step: got {end}, which is before {path}.start_step={start}; "
-                              f"allowed: end_step >= start_step")
-        out.update(start_step=start, end_step=end)
-        if "profiler_level" in section:
-            out["profiler_level"] = section["profiler_level"]
-        output_path = section.get("output_path")
-        if output_path is not None:
-            output_path = check_directory(f"{path}.output_path", output_path, "None or a non-empty directory path")
-        out["output_path"] = output_path
-        out["profiler_rank"] = parse_ranks(f"{path}.profiler_rank", section.get("profiler_rank"))
-        return cls(**out)
-
-    def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in self.KEYS}
-        out["profiler_rank"] = list(self.profiler_rank) if self.profiler_rank is not None else None
-        return out
+        if self.end_step < self.start_step:
+            raise ConfigError(f"{path}.end_step: got {self.end_step}, which is before {path}.start_step="
+                              f"{self.start_step}; allowed: end_step >= start_step")

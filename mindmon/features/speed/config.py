@@ -1,67 +1,43 @@
 """The `monitor.speed` section: how fast the run goes, where the step's time goes, and which rank is slow."""
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from mindmon.config import ConfigError, check_bool, check_keys, check_positive_number
+from mindmon.config import Section, setting
+from mindmon.config.fields import boolean, optional, positive_number
 
 PATH = "monitor.speed"
 
 
 @dataclass(frozen=True)
-class SpeedConfig:
-    enabled: bool = False
-    """Per step on every rank: the step's wall time and its phases, samples and tokens per second, the
-    wall-clock time, the ETA, peak memory; across the data-parallel ranks on rank 0."""
+class SpeedConfig(Section):
+    enabled: bool = setting(False, boolean())
+    """Per step on every rank: the step's wall time and its phases (`data`, `forward_backward` and each
+    micro-batch, `reduce`, `update`, `mindmon`, `other`), samples and tokens per second (this rank and the
+    job), the wall-clock time, the ETA when the number of steps is known, the step's peak resident memory
+    (and the device's peak where MindSpore reports it); with several data-parallel ranks, rank 0 also writes
+    their min / mean / max and extreme ranks and names slow ranks."""
 
-    flops: bool = False
-    """Count the model's FLOPs (useful and executed) and give MFU and HFU; attaches forward hooks to the
-    cells that multiply matrices."""
+    flops: bool = setting(False, boolean())
+    """Count the model's FLOPs each step (useful and executed, [flops](flops.md)) and write MFU and HFU;
+    attaches forward hooks to the cells that multiply matrices, so it needs the model."""
 
-    peak_tflops: Optional[float] = None
+    peak_tflops: Optional[float] = setting(None, optional(positive_number()), shown_default="unset")
     """The device's dense peak in TFLOP/s for MFU, in place of the table's figure for a known device; an
-    unknown device without it gives no MFU."""
+    unknown device without it has no MFU (said once)."""
 
-    slow_rank_factor: float = 1.2
-    """A rank is slow at a step when its computing time before the gradient collective exceeds this
+    slow_rank_factor: float = setting(1.2, positive_number("a finite number > 1", above=1, kind="number > 1"))
+    """A rank is named slow at a step when its computing time before the gradient collective exceeds this
     factor times the median over the ranks (the `slow_rank` record and alert rule)."""
 
-    throughput_drop: float = 0.5
-    """Rank 0 writes a `throughput_drop` record (and the alert event of that name) at a step whose samples per
+    throughput_drop: float = setting(0.5, positive_number("a share between 0 and 1", below=1,
+                                                          kind="number in (0, 1)"))
+    """Rank 0 writes a `throughput_drop` record (and the run event of that name) at a step whose samples per
     second fall below this share of the median of the 20 steps before it."""
 
-    hang_after: Optional[float] = None
+    hang_after: Optional[float] = setting(None, optional(positive_number()), shown_default="unset")
     """Seconds with no rank making progress after which rank 0 declares a hang; unset: derived from the
-    median step time (docs/multi-rank.md)."""
-
-    KEYS = ("enabled", "flops", "peak_tflops", "slow_rank_factor", "throughput_drop", "hang_after")
+    median step time ([multi-rank](multi-rank.md))."""
 
     @property
     def active(self) -> bool:
         return self.enabled
-
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "SpeedConfig":
-        section = check_keys(path, section, cls.KEYS)
-        out: dict = {}
-        for key in ("enabled", "flops"):
-            if key in section:
-                out[key] = check_bool(f"{path}.{key}", section[key])
-        for key in ("peak_tflops", "hang_after"):
-            if section.get(key) is not None:
-                out[key] = check_positive_number(f"{path}.{key}", section[key])
-        if "slow_rank_factor" in section:
-            factor = check_positive_number(f"{path}.slow_rank_factor", section["slow_rank_factor"],
-                                           "a finite number > 1")
-            if factor <= 1:
-                raise ConfigError(f"{path}.slow_rank_factor: got {factor}; allowed: a finite number > 1")
-            out["slow_rank_factor"] = factor
-        if "throughput_drop" in section:
-            share = check_positive_number(f"{path}.throughput_drop", section["throughput_drop"],
-                                          "a share between 0 and 1")
-            if share >= 1:
-                raise ConfigError(f"{path}.throughput_drop: got {share}; allowed: a share between 0 and 1")
-            out["throughput_drop"] = share
-        return cls(**out)
-
-    def to_dict(self) -> dict:
-        return {key: getattr(self, key) for key in self.KEYS}

@@ -1,140 +1,111 @@
 """The `monitor.trackers` section: which experiment trackers (MLflow, SwanLab, W&B) get the run's values,
 and the Prometheus endpoint (docs/trackers.md). Parsing imports none of the trackers."""
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from mindmon.config import check_bool, check_int, check_keys, check_one_of, check_positive_number, type_error
+from mindmon.config import Section, setting, type_error
+from mindmon.config.fields import (Check, boolean, custom, integer, keys_of, nested, one_of, parse_section, positive_number,
+                                   text)
 
 PATH = "monitor.trackers"
 DEFAULT_PROJECT = "mindmon"
 DEFAULT_CLOSE_TIMEOUT = 30.0
 
 
-def _text(path: str, value: Any, allowed: str = "a non-empty string") -> str:
-    if not isinstance(value, str) or not value or "\0" in value:
-        raise type_error(path, value, allowed)
-    return value
+def _tracking_uri(path: str, value: Any) -> str:
+    if value is None:
+        raise type_error(path, value, "the tracking server's URI (http://host:port) or a store URI")
+    return text().run(path, value)
 
 
-def _optional_text(path: str, section: dict, key: str) -> Optional[str]:
-    value = section.get(key)
-    return None if value is None else _text(f"{path}.{key}", value)
+def _named(default: Optional[str]) -> Check:
+    """A name; `key: ~` keeps `default`."""
+    return custom("str", lambda path, value: default if value is None else text().run(path, value))
 
 
-def _close_timeout(path: str, section: dict) -> float:
-    if section.get("close_timeout") is None:
-        return DEFAULT_CLOSE_TIMEOUT
-    return check_positive_number(f"{path}.close_timeout", section["close_timeout"])
-
-
-class _Dict:
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+def _close_timeout() -> Check:
+    return custom("number > 0 (seconds)", lambda path, value: DEFAULT_CLOSE_TIMEOUT if value is None
+                  else positive_number().run(path, value))
 
 
 @dataclass(frozen=True)
-class MlflowConfig(_Dict):
-    tracking_uri: str
-    """The tracking server (`http://host:5000`) or store (`sqlite:///mlruns.db`, a folder)."""
-    experiment: str = DEFAULT_PROJECT
-    run_name: Optional[str] = None
-    artifacts: bool = True
-    """At close: the HTML report (needs mindmon[analysis,report]) and the anomaly dumps as the run's artifacts."""
-    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
+class MlflowConfig(Section):
+    tracking_uri: str = setting(check=custom("str", _tracking_uri), shown_default="required")
+    """The tracking server (`http://host:5000`) or a store URI (`sqlite:///mlflow.db`, a folder)."""
 
-    KEYS = ("tracking_uri", "experiment", "run_name", "artifacts", "close_timeout")
+    experiment: str = setting(DEFAULT_PROJECT, _named(DEFAULT_PROJECT))
+    """The experiment, created when missing."""
 
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "MlflowConfig":
-        section = check_keys(path, section, cls.KEYS)
-        if section.get("tracking_uri") is None:
-            raise type_error(f"{path}.tracking_uri", section.get("tracking_uri"),
-                             "the tracking server's URI (http://host:port) or a store URI")
-        return cls(_text(f"{path}.tracking_uri", section["tracking_uri"]),
-                   _optional_text(path, section, "experiment") or DEFAULT_PROJECT,
-                   _optional_text(path, section, "run_name"),
-                   check_bool(f"{path}.artifacts", section.get("artifacts", True)),
-                   _close_timeout(path, section))
+    run_name: Optional[str] = setting(None, _named(None), shown_default="MLflow's")
+    """The run's name."""
+
+    artifacts: bool = setting(True, boolean())
+    """At close, upload the HTML report (needs `mindmon[analysis,report]`) and each rank's anomaly dump as
+    the run's artifacts."""
+
+    close_timeout: float = setting(DEFAULT_CLOSE_TIMEOUT, _close_timeout())
+    """At train end, how long to wait for MLflow to take what is queued."""
 
 
 SWANLAB_MODES = ("offline", "local")
 
 
 @dataclass(frozen=True)
-class SwanlabConfig(_Dict):
-    project: str = DEFAULT_PROJECT
-    experiment: Optional[str] = None
-    mode: str = "offline"
-    """offline: files for a later `swanlab sync`; local: files only, read by SwanLab's local tools."""
-    log_dir: Optional[str] = None
-    """Default: `<monitor.output_dir>/swanlog`."""
-    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
+class SwanlabConfig(Section):
+    project: str = setting(DEFAULT_PROJECT, _named(DEFAULT_PROJECT))
+    """SwanLab's project."""
 
-    KEYS = ("project", "experiment", "mode", "log_dir", "close_timeout")
+    experiment: Optional[str] = setting(None, _named(None), shown_default="SwanLab's")
+    """The run's name."""
 
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "SwanlabConfig":
-        section = check_keys(path, section, cls.KEYS)
-        return cls(_optional_text(path, section, "project") or DEFAULT_PROJECT,
-                   _optional_text(path, section, "experiment"),
-                   check_one_of(f"{path}.mode", section.get("mode", "offline"), SWANLAB_MODES),
-                   _optional_text(path, section, "log_dir"), _close_timeout(path, section))
+    mode: str = setting("offline", one_of(SWANLAB_MODES))
+    """Files only: `offline` ones are uploaded later by `swanlab sync <run folder>`; `local` ones are read by
+    SwanLab's local tools."""
+
+    log_dir: Optional[str] = setting(None, _named(None), shown_default="`<output_dir>/swanlog`")
+    """Where SwanLab's run folders go."""
+
+    close_timeout: float = setting(DEFAULT_CLOSE_TIMEOUT, _close_timeout())
+    """At train end, how long to wait for SwanLab to take what is queued."""
 
 
 @dataclass(frozen=True)
-class WandbConfig(_Dict):
-    project: str = DEFAULT_PROJECT
-    run_name: Optional[str] = None
-    dir: Optional[str] = None
-    """Where `wandb/offline-run-*` goes; default: `monitor.output_dir`. Upload later with `wandb sync`."""
-    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
+class WandbConfig(Section):
+    project: str = setting(DEFAULT_PROJECT, _named(DEFAULT_PROJECT))
+    """W&B's project."""
 
-    KEYS = ("project", "run_name", "dir", "close_timeout")
+    run_name: Optional[str] = setting(None, _named(None), shown_default="W&B's")
+    """The run's name."""
 
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "WandbConfig":
-        section = check_keys(path, section, cls.KEYS)
-        return cls(_optional_text(path, section, "project") or DEFAULT_PROJECT,
-                   _optional_text(path, section, "run_name"), _optional_text(path, section, "dir"),
-                   _close_timeout(path, section))
+    dir: Optional[str] = setting(None, _named(None), shown_default="`<output_dir>`")
+    """W&B writes `<dir>/wandb/offline-run-*`, uploaded later by `wandb sync`."""
+
+    close_timeout: float = setting(DEFAULT_CLOSE_TIMEOUT, _close_timeout())
+    """At train end, how long to wait for W&B to take what is queued."""
 
 
 @dataclass(frozen=True)
-class PrometheusConfig(_Dict):
-    port: int
-    """0: a free port, chosen when the run opens (logged)."""
-    addr: str = "0.0.0.0"
+class PrometheusConfig(Section):
+    port: int = setting(check=integer(0, 65535), shown_default="required")
+    """The endpoint's port (`0`: a free one, chosen when the run opens and logged)."""
 
-    KEYS = ("port", "addr")
-
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "PrometheusConfig":
-        section = check_keys(path, section, cls.KEYS)
-        port = check_int(f"{path}.port", section.get("port"), 0, 65535)
-        return cls(port, _text(f"{path}.addr", section.get("addr", "0.0.0.0"), "an address to listen on (a string)"))
+    addr: str = setting("0.0.0.0", text("an address to listen on (a string)"))
+    """The address it listens on."""
 
 
 @dataclass(frozen=True)
-class TrackersConfig:
-    mlflow: Optional[MlflowConfig] = None
-    swanlab: Optional[SwanlabConfig] = None
-    wandb: Optional[WandbConfig] = None
-    prometheus: Optional[PrometheusConfig] = None
+class TrackersConfig(Section):
+    """A tracker's key present switches it on (`wandb:` with no value: W&B with its defaults)."""
 
-    PARSERS = {"mlflow": MlflowConfig, "swanlab": SwanlabConfig, "wandb": WandbConfig, "prometheus": PrometheusConfig}
+    mlflow: Optional[MlflowConfig] = setting(None, nested(MlflowConfig))
+    swanlab: Optional[SwanlabConfig] = setting(None, nested(SwanlabConfig))
+    wandb: Optional[WandbConfig] = setting(None, nested(WandbConfig))
+    prometheus: Optional[PrometheusConfig] = setting(None, nested(PrometheusConfig))
 
     @property
     def active(self) -> bool:
-        return any(getattr(self, key) is not None for key in self.PARSERS)
+        return any(getattr(self, key) is not None for key in keys_of(TrackersConfig))
 
     @classmethod
-    def parse(cls, path: str, section: Any) -> Optional["TrackersConfig"]:
-        if section is None:
-            return None
-        section = check_keys(path, section, tuple(cls.PARSERS))
-        # a present key switches its tracker on; `wandb:` with no value means "with the defaults"
-        return cls(**{key: parser.parse(f"{path}.{key}", section[key])
-                      for key, parser in cls.PARSERS.items() if key in section})
-
-    def to_dict(self) -> dict:
-        return {key: None if getattr(self, key) is None else getattr(self, key).to_dict() for key in self.PARSERS}
+    def parse(cls, path: str, raw: Any) -> Optional["TrackersConfig"]:
+        return None if raw is None else parse_section(cls, path, raw)
