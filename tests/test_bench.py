@@ -21,7 +21,7 @@ pytestmark = pytest.mark.serial   # times the monitors' overhead
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["off", "train_state", "+moe+max_logits", "host_sync_ref", "tensor_stats", "activations", "activations_idle",
-           "l2_features"]
+           "l2_features", "speed", "speed+flops", "off@device", "train_state@device", "tensor_stats@device"]
 K = 2  # micro-steps per step in the benchmark's --tiny size
 
 
@@ -37,10 +37,30 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     rows = {row["config"]: row for row in data["main"]["rows"]}
     assert list(rows) == CONFIGS
     assert rows["off"]["ratio_to_off"] == 1.0 and rows["off"]["added_ms_per_step"] == 0.0
-    for row in rows.values():
+    for name, row in rows.items():   # each against the unmonitored step of its own path
+        baseline = rows["off@device" if name.endswith("@device") else "off"]
         assert row["steps_timed"] == 2 and row["median_step_s"] > 0 and row["median_cpu_s"] > 0
-        assert row["ratio_to_off"] == pytest.approx(row["median_step_s"] / rows["off"]["median_step_s"])
+        assert row["ratio_to_off"] == pytest.approx(row["median_step_s"] / baseline["median_step_s"])
+        assert row["mindmon_kernels_per_step"] == row["kernels_per_step"] - baseline["kernels_per_step"]
     assert rows["off"]["in_mindmon_ms_per_step"] == 0.0 and rows["train_state"]["in_mindmon_ms_per_step"] > 0
+    tensors = data["main"]["size"]["parameter_tensors"]
+    # Kernels a step, counted by MindSpore's profiler: the host path's monitoring launches none (numpy).
+    for name in ("train_state", "tensor_stats", "activations", "speed", "speed+flops"):
+        assert rows[name]["mindmon_kernels_per_step"] == 0 < rows[name]["kernels_per_step"], name
+    # The device path: train_state's norms take 5 kernels per gradient set (a concatenation, the squares,
+    # three levels of segment sums): the accumulated gradient's at micro-step 0, the accumulated and the
+    # micro-batch gradient's at each later one; then the step's one transfer (a concatenation).
+    assert rows["train_state@device"]["mindmon_kernels_per_step"] == 5 + 10 * (K - 1) + 1
+    # tensor_stats: 13 kernels at each of its six points (param_origin, param_updated, grad_unreduced,
+    # grad_reduced, exp_avg, exp_avg_sq), one transfer, and the gradient sums' add per tensor per later
+    # micro-batch (grad_unreduced is their sum, kept on the device)
+    assert rows["tensor_stats@device"]["mindmon_kernels_per_step"] == 6 * 13 + 1 + (K - 1) * tensors
+    assert ("device path (on_host=False) against the host path: train_state@device" in result.stdout
+            and "kernels/step" in result.stdout and "share of off" in result.stdout)
+    for name in ("speed", "speed+flops"):   # the speed feature's own records, in its own metrics file
+        kinds = {r["kind"] for r in read_jsonl(tmp_path / "monitor" / name / "rank_0" / "metrics.jsonl")}
+        assert {"step_time", "throughput"} <= kinds and ("flops" in kinds) == (name == "speed+flops")
+        assert rows[name]["in_mindmon_ms_per_step"] > 0
     assert "gc ms mean" in result.stdout and all(row["collector_ms_per_step_mean"] >= 0 for row in rows.values())
     assert [run["num_layers"] for run in data["scaling"]] == [2]
     assert [row["config"] for row in data["scaling"][0]["rows"]] == ["off", "train_state"]
@@ -89,24 +109,23 @@ def test_benchmark_runs_at_a_tiny_size_and_writes_the_table_as_json(tmp_path):
     assert re.search(r"\n\s+12  tensor_stats .*x\n", result.stdout)
     peers = {row["implementation"]: row for row in data["peers"]}
     assert peers["mindmon"]["on_median_s"] > 0 and peers["mindmon"]["off_median_s"] > 0
-    # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, and for
-    # train_state the step whose adds are measured apart) has a local_norm per parameter tensor per
-    # micro-step, in its own metrics file.
-    tensors = data["main"]["size"]["parameter_tensors"]
-    for config, steps in (("train_state", 5), ("+moe+max_logits", 4), ("host_sync_ref", 4)):
+    # Each monitored configuration really monitored: every step (warm-up, 2 timed, 1 memory step, 1 step
+    # whose kernels are counted, and for train_state the step whose adds are measured apart) has a
+    # local_norm per parameter tensor per micro-step, in its own metrics file.
+    for config, steps in (("train_state", 6), ("+moe+max_logits", 5), ("host_sync_ref", 5), ("train_state@device", 5)):
         records = read_jsonl(tmp_path / "monitor" / config / "rank_0" / "metrics.jsonl")
         assert sum(r["kind"] == "local_norm" for r in records) == steps * K * tensors
     moe = read_jsonl(tmp_path / "monitor" / "+moe+max_logits" / "rank_0" / "metrics.jsonl")
     assert {r["kind"] for r in moe} >= {"tokens_per_expert", "max_attention_logit"}
     # tensor_stats: msprobe's CSVs of every point, one row per parameter tensor per step.
     grads = glob.glob(str(tmp_path / "monitor" / "tensor_stats" / "*-rank0-*" / "grad_reduced_*.csv"))
-    assert len(grads) == 4 and rows["tensor_stats"]["in_mindmon_ms_per_step"] > 0
+    assert len(grads) == 5 and rows["tensor_stats"]["in_mindmon_ms_per_step"] > 0
     for point in ("param_origin", "param_updated", "grad_unreduced", "exp_avg", "exp_avg_sq"):
         assert glob.glob(str(tmp_path / "monitor" / "tensor_stats" / "*-rank0-*" / f"{point}_0-0.csv")), point
     with open(sorted(grads)[0]) as handle:
         assert sum(1 for _ in handle) == 1 + tensors
     actv = glob.glob(str(tmp_path / "monitor" / "activations" / "*-rank0-*" / "actv_[0-9]*.csv"))
-    assert len(actv) == 4 and rows["activations"]["in_mindmon_ms_per_step"] > 0
+    assert len(actv) == 5 and rows["activations"]["in_mindmon_ms_per_step"] > 0
     # activations_idle: the same hooks run but collect nothing, so no statistics file is written
     assert not glob.glob(str(tmp_path / "monitor" / "activations_idle" / "**" / "actv*.csv"), recursive=True)
     assert 0 < rows["activations_idle"]["in_mindmon_ms_per_step"] < rows["activations"]["in_mindmon_ms_per_step"]

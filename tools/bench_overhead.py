@@ -23,6 +23,15 @@ Configurations:
     activations_idle    the same TrainerMon, but no step collected: what a step it skips costs (forward
                         hooks and pre-hooks stay; gradient hooks exist only on a collected forward's tensors)
     l2_features         attention entropy / softmax max and stable rank of every attention and linear cell
+    speed               the speed feature (step time, tokens/s, memory, stragglers), flops off
+    speed+flops         the same with its flops counted (MFU)
+    off@device, train_state@device, tensor_stats@device
+                        the device path (`on_host=False`), as off the CPU: the training step sums gradients
+                        with MindSpore ops and the statistics are MindSpore operations; on CPU each is a
+                        real kernel launch. Their time is set against the host path's rows of the same name
+Every configuration's kernels per step are counted in one more step (MindSpore's profiler records each
+kernel it launches: mindmon/kernels/dispatches.py), and what the monitoring adds over the step of `off` on the
+same path (`off@device` for the device path's). The counts are exact; the times depend on the machine's load.
 The scaling run repeats off / train_state at several layer counts. With tensor_stats in the run, the
 table also gives its memory floor: what numpy takes for the memory work those statistics need (the sum
 of the micro-batch gradients, one read of each point's arrays), as a share of the off step; with
@@ -47,6 +56,7 @@ import tempfile
 import time
 import tracemalloc
 import types
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -203,7 +213,7 @@ class TimedGroup:
 
 
 def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[dict], max_logits: bool,
-                 host_sync_norms: bool):
+                 host_sync_norms: bool, on_host: bool = True):
     from mindmon import build_group, parse_sections
     from mindmon.factory import build
     from mindmon.features.train_state.monitor import TrainStateMonitor
@@ -218,24 +228,28 @@ def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[d
                                   norms=HostSyncPerParameterNorms())
         sinks = build(parse_sections({"monitor": {"output_dir": str(out_dir / name)}}), rank=0, logger=logger).sinks
         return MonitorGroup([state], sinks, 0, logger)
-    return build_group(config, model=work.model, parameter_names=work.parameter_names, rank=0, logger=logger)
+    return build_group(config, model=work.model, parameter_names=work.parameter_names, rank=0, logger=logger,
+                       on_host=on_host)
 
 
 class Configuration:
-    """A monitoring configuration: its own train step, group and step counter over the shared workload."""
+    """A monitoring configuration: its own train step, group and step counter over the shared workload.
+    `on_host=False`: the device path (the step's sums and the monitors' reductions as MindSpore ops)."""
 
     def __init__(self, name: str, work: Workload, out_dir: Path, monitor: Optional[dict] = None,
-                 max_logits: bool = False, host_sync_norms: bool = False, read_loss: bool = True):
+                 max_logits: bool = False, host_sync_norms: bool = False, read_loss: bool = True,
+                 on_host: bool = True):
         from mindmon import AccumulatingTrainStep
 
         self.name, self.work, self.max_logits, self.read_loss = name, work, max_logits, read_loss
+        self.on_host = on_host
         self.group = None
         if monitor is not None or max_logits:
-            group = _build_group(name, work, out_dir, monitor, max_logits, host_sync_norms)
+            group = _build_group(name, work, out_dir, monitor, max_logits, host_sync_norms, on_host)
             group.setup(max_steps=10 ** 6)
             self.group = TimedGroup(group, own_norms=host_sync_norms)
         self.train_step = AccumulatingTrainStep(work.loss, work.optimizer, work.size.micro_steps,
-                                                group=self.group, max_norm=1.0)
+                                                group=self.group, max_norm=1.0, on_host=on_host)
         self.buffer_add = 0.0
         self._time_buffer_add()
         self.steps = 0
@@ -363,19 +377,20 @@ class TensorStatsConfiguration(Configuration):
     and outputs of every cell and their gradients), every op. On a model of its own: TrainerMon hooks
     its optimizer instance and cells for the whole run."""
 
-    def __init__(self, name: str, size: "BenchSize", out_dir: Path, monitored: dict):
+    def __init__(self, name: str, size: "BenchSize", out_dir: Path, monitored: dict, on_host: bool = True):
         from mindmon.msprobe import TrainerMon, parse_tensor_stats
 
-        super().__init__(name, Workload(size), out_dir)
+        super().__init__(name, Workload(size), out_dir, on_host=on_host)
         os.environ["MONITOR_OUTPUT_DIR"] = str(out_dir / name)
         config = parse_tensor_stats({**monitored, "ops": ALL_OPS})
         self.timer = HookTimer()
         PARTS.install()
-        self.monitor = TrainerMon.from_config(config, params_have_main_grad=False)
-        self.timer.instrument(self.monitor)
-        if monitored.get("xy_distribution"):
-            self.timer.instrument_cells()
-        self.monitor.set_monitor(self.work.model, size.micro_steps, self.work.optimizer)
+        with _device_path(on_host):
+            self.monitor = TrainerMon.from_config(config, params_have_main_grad=False)
+            self.timer.instrument(self.monitor)
+            if monitored.get("xy_distribution"):
+                self.timer.instrument_cells()
+            self.monitor.set_monitor(self.work.model, size.micro_steps, self.work.optimizer)
 
     def step(self) -> "StepTime":
         self.timer.in_step = self.timer.at_end = 0.0
@@ -385,6 +400,21 @@ class TensorStatsConfiguration(Configuration):
 
     def close(self) -> None:
         self.monitor.close()
+
+
+@contextmanager
+def _device_path(on_host: bool):
+    """Bench-only: with `on_host=False`, what TrainerMon builds in the block takes the device path, as it does
+    where tensors are not in host memory (it asks `host_is_device` when its parts are built)."""
+    from mindmon.kernels import stats
+
+    asked = stats.host_is_device
+    if not on_host:
+        stats.host_is_device = lambda: False
+    try:
+        yield
+    finally:
+        stats.host_is_device = asked
 
 
 class L2Configuration(Configuration):
@@ -578,12 +608,17 @@ def _median(blocks: List[List[StepTime]], field: str) -> float:
     return statistics.median(getattr(t, field) for block in blocks for t in block)
 
 
-def summarize(samples: Dict[str, Samples], baseline: str = "off") -> List[dict]:
+def baseline_of(name: str, names) -> str:
+    """The unmonitored configuration a configuration is set against: `off` on its own path."""
+    return DEVICE_OFF if name.endswith(DEVICE) and DEVICE_OFF in names else "off"
+
+
+def summarize(samples: Dict[str, Samples]) -> List[dict]:
     """Per configuration: median step time (wall and CPU) over all timed steps, their ratios to the
-    baseline's, the spread of the per-round wall ratios, time inside mindmon's calls, and memory."""
-    base = samples[baseline].times
+    baseline's (`baseline_of`), the spread of the per-round wall ratios, time inside mindmon's calls, and memory."""
     rows = []
     for name, s in samples.items():
+        base = samples[baseline_of(name, samples)].times
         per_round = [_median([a], "wall") / _median([b], "wall") for a, b in zip(s.times, base)]
         rows.append({
             "config": name, "steps_timed": sum(len(b) for b in s.times),
@@ -625,6 +660,29 @@ def _in_mindmon(times: List[List[StepTime]], base: List[List[StepTime]], norms_i
             "in_mindmon_share_of_off_step": in_mindmon / _median(base, "wall")}
 
 
+# The device path's configurations: their names end in DEVICE; DEVICE_OFF is their unmonitored step.
+DEVICE = "@device"
+DEVICE_OFF = "off" + DEVICE
+
+
+def count_step_kernels(config: Configuration) -> int:
+    """The kernels MindSpore launches in one step of `config` (with its step-end work), as its profiler
+    records them: exact, unlike a time."""
+    from mindmon.kernels.dispatches import count_kernel_launches
+
+    config.enter()
+    with count_kernel_launches() as launched:
+        config.step()
+    return launched.count
+
+
+def add_kernel_counts(rows: List[dict], kernels: Dict[str, int]) -> None:
+    """Each row's kernels per step, and those over its baseline's (`baseline_of`): the monitoring's own."""
+    for row in rows:
+        row["kernels_per_step"] = kernels[row["config"]]
+        row["mindmon_kernels_per_step"] = kernels[row["config"]] - kernels[baseline_of(row["config"], kernels)]
+
+
 def _main_configs(work: Workload, out_dir: Path, only: Optional[Sequence[str]] = None) -> List[Configuration]:
     """The main run's configurations (with `only`: `off`, `train_state` and those named), in table order."""
     both = {"train_state": TRAIN_STATE, "moe_monitor": {"save_tokens_per_expert_interval": 1}}
@@ -640,8 +698,17 @@ def _main_configs(work: Workload, out_dir: Path, only: Optional[Sequence[str]] =
         "activations_idle": lambda: TensorStatsConfiguration("activations_idle", work.size, out_dir,
                                                              {**ACTIVATIONS, "start_step": 10 ** 9}),
         "l2_features": lambda: L2Configuration("l2_features", work.size, out_dir),
+        "speed": lambda: Configuration("speed", work, out_dir, {"speed": {"enabled": True}}),
+        "speed+flops": lambda: Configuration("speed+flops", work, out_dir, {"speed": {"enabled": True, "flops": True}}),
+        DEVICE_OFF: lambda: Configuration(DEVICE_OFF, work, out_dir, on_host=False),
+        "train_state" + DEVICE: lambda: Configuration("train_state" + DEVICE, work, out_dir,
+                                                      {"train_state": TRAIN_STATE}, on_host=False),
+        "tensor_stats" + DEVICE: lambda: TensorStatsConfiguration("tensor_stats" + DEVICE, work.size, out_dir,
+                                                                  PARAMETER_STATS, on_host=False),
     }
     wanted = {"off", "train_state", *only} if only else set(makers)
+    if any(name.endswith(DEVICE) for name in wanted):
+        wanted.add(DEVICE_OFF)
     return [make() for name, make in makers.items() if name in wanted]
 
 
@@ -791,9 +858,11 @@ def measure_main(size: BenchSize, args, out_dir: Path, log) -> dict:
     samples = run_interleaved(configs, args.rounds, args.steps_per_block, args.warmup, log)
     norms_in_add = measure_norms_in_add(configs[1])
     floors = measure_floors(work, configs, out_dir)
+    kernels = {config.name: count_step_kernels(config) for config in configs}
     for config in configs:
         config.close()
     rows = summarize(samples)
+    add_kernel_counts(rows, kernels)
     off, ours = rows[0], rows[1]
     reference = next((r for r in rows if r["config"] == "host_sync_ref"), None)
     added = ours["added_ms_per_step"]
@@ -999,13 +1068,14 @@ def _reference_line(main: dict) -> List[str]:
 def format_tables(result: dict) -> str:
     head = (f"{'config':<17}{'median step s':>14}{'x off':>8}{'added ms':>10}{'round ratios min..max':>24}"
             f"{'min x off':>11}"
-            f"{'CPU x off':>11}{'mindmon ms: step+add+end':>26}{'gc ms mean':>12}{'peak RSS rise MiB':>19}"
-            f"{'py peak MiB':>13}")
+            f"{'CPU x off':>11}{'mindmon ms: step+add+end':>26}{'share of off':>14}{'gc ms mean':>12}"
+            f"{'peak RSS rise MiB':>19}{'py peak MiB':>13}{'kernels/step':>14}{'mindmon kernels':>17}")
     lines = [f"main run ({result['main']['size']['parameters']:,} parameters in "
              f"{result['main']['size']['parameter_tensors']} tensors), rounds x steps per block = "
              f"{result['settings']['rounds']} x {result['settings']['steps_per_block']}", head]
     lines += [_row_line(r) for r in result["main"]["rows"]]
     main = result["main"]
+    lines += _device_lines(main["rows"])
     lines += _norms_in_add_line(main)
     lines += _floor_lines(main)
     lines += _reference_line(main)
@@ -1067,8 +1137,23 @@ def _row_line(row: dict) -> str:
     spread = f"{row['round_ratio_min']:.4f}..{row['round_ratio_max']:.4f}"
     return (f"{row['config']:<17}{row['median_step_s']:>14.3f}{row['ratio_to_off']:>8.4f}"
             f"{row['added_ms_per_step']:>10.1f}{spread:>24}{row['min_ratio_to_off']:>11.4f}{row['cpu_ratio_to_off']:>11.4f}"
-            f"{_split(row):>26}{row['collector_ms_per_step_mean']:>12.1f}{mib(row['peak_rss_rise_mib']):>19}"
-            f"{mib(row['python_peak_mib']):>13}")
+            f"{_split(row):>26}{row['in_mindmon_share_of_off_step']:>14.2%}{row['collector_ms_per_step_mean']:>12.1f}"
+            f"{mib(row['peak_rss_rise_mib']):>19}{mib(row['python_peak_mib']):>13}{row.get('kernels_per_step', -1):>14}"
+            f"{row.get('mindmon_kernels_per_step', -1):>17}")
+
+
+def _device_lines(rows: List[dict]) -> List[str]:
+    """Each device-path configuration against the host path's of the same name: time per step, time in
+    mindmon, kernels per step (the host path takes its statistics in numpy: no kernel)."""
+    by_name = {row["config"]: row for row in rows}
+    pairs = [(by_name[name], by_name.get(name[:-len(DEVICE)])) for name in by_name if name.endswith(DEVICE)]
+    lines = [f"device path (on_host=False) against the host path: {dev['config']} {dev['median_step_s']:.3f} s a step = "
+             f"{dev['median_step_s'] / host['median_step_s']:.3f}x {host['config']}'s {host['median_step_s']:.3f} s; "
+             f"in mindmon {dev['in_mindmon_ms_per_step']:.1f} ms against {host['in_mindmon_ms_per_step']:.1f} ms; "
+             f"kernels a step {dev.get('kernels_per_step')} against {host.get('kernels_per_step')}, of them the "
+             f"monitoring's {dev.get('mindmon_kernels_per_step')} against {host.get('mindmon_kernels_per_step')}"
+             for dev, host in pairs if host is not None]
+    return lines
 
 
 def parse_args(argv=None):
