@@ -13,13 +13,15 @@ empty tensors as the host path gives them.
 The sums are taken in `LEVELS` levels: MindSpore's segment sum adds a segment's elements one after another
 in float32, whose rounding grows with the segment (about 1e-3 relative for two million elements, measured
 on MindSpore 2.9 CPU); groups of at most `group_size` elements of one tensor are summed first, then groups
-of those sums, then each tensor's, keeping float32 precision. Segment ids depend only on the tensors' sizes: they are built
-on the host once per set of sizes and kept (a host-to-device copy, no operation dispatched).
+of those sums, then each tensor's, keeping float32 precision. Segment ids depend only on the tensors'
+sizes: they are built on the host once per set of sizes and kept (a host-to-device copy, no operation
+dispatched).
 
 Operations per call and dtype group (each one kernel launch): a concatenation (not for a single tensor),
 a cast (not for float32), then per `ops`: square for `norm`; isnan + cast for `nans`, `min`, `max`; abs +
-less + cast for `zeros`; a stack of the columns when more than one; `LEVELS` segment sums; one segment min and
-one segment max when asked. Reshaping a contiguous tensor into its flat view launches no kernel.
+less + cast for `zeros`; a stack of the columns when more than one; `LEVELS` segment sums; one segment
+min and one segment max when asked. Reshaping a contiguous tensor into its flat view launches no kernel
+(a strided one is copied: one kernel each).
 """
 import math
 from collections import OrderedDict
@@ -181,29 +183,32 @@ def device_statistics(tensors: Sequence, ops: Sequence[str], eps: float) -> Devi
             reduce = msops.unsorted_segment_min if op == "min" else msops.unsorted_segment_max
             parts.append(reduce(flat, ids.element_tensors, len(indices)))
         groups.append((indices, sizes))
-    scalars = [not tuple(t.shape) for t in tensors]
+    scalars = np.array([not tuple(t.shape) for t in tensors], dtype=bool)
 
     def finish(host: List[np.ndarray]) -> np.ndarray:
-        rows = np.array([[EMPTY_STATISTICS[op] for op in ops]] * len(tensors), dtype=np.float64).reshape(
-            len(tensors), len(ops))
+        rows = np.tile(np.array([EMPTY_STATISTICS[op] for op in ops], dtype=np.float64), (len(tensors), 1))
         pieces = iter(host)
         for indices, sizes in groups:
             found = dict(zip(sums, next(pieces).T)) if sums else {}
-            for op in extremes:
-                found[op] = next(pieces)
-            size = np.array(sizes, dtype=np.float64)
-            poisoned = found["nans"] > 0 if "nans" in found else None
-            with np.errstate(invalid="ignore", divide="ignore"):
-                values = {"mean": lambda: found["values"] / size, "norm": lambda: np.sqrt(found["squares"]),
-                          "zeros": lambda: found["small"] / size, "nans": lambda: found["nans"],
-                          "min": lambda: np.where(poisoned, np.nan, _infinite_extreme(found["min"], found["values"])),
-                          "max": lambda: np.where(poisoned, np.nan, _infinite_extreme(found["max"], found["values"])),
-                          "id": lambda: np.where([scalars[i] for i in indices], found["values"], np.nan)}
-                for column, op in enumerate(ops):
-                    rows[indices, column] = values[op]()
+            found.update((op, next(pieces)) for op in extremes)
+            rows[indices] = _finished_rows(ops, found, np.array(sizes, dtype=np.float64), scalars[indices])
         return rows
 
     return DeviceRows(parts, finish)
+
+
+def _finished_rows(ops: Tuple[str, ...], found: Dict[str, np.ndarray], size: np.ndarray,
+                   scalar: np.ndarray) -> np.ndarray:
+    """Rows [tensors, ops] of one dtype group from its per-tensor sums and extremes (`found`), with numpy's
+    rules: min and max NaN when a NaN is inside; `id` a 0-dim tensor's value (its sum), NaN for any other."""
+    poisoned = found["nans"] > 0 if "nans" in found else False
+    with np.errstate(invalid="ignore", divide="ignore"):
+        values = {"mean": lambda: found["values"] / size, "norm": lambda: np.sqrt(found["squares"]),
+                  "zeros": lambda: found["small"] / size, "nans": lambda: found["nans"],
+                  "min": lambda: np.where(poisoned, np.nan, _infinite_extreme(found["min"], found["values"])),
+                  "max": lambda: np.where(poisoned, np.nan, _infinite_extreme(found["max"], found["values"])),
+                  "id": lambda: np.where(scalar, found["values"], np.nan)}
+        return np.stack([values[op]() for op in ops], axis=1)
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
