@@ -20,9 +20,10 @@ DATA_WAIT = 0.12                 # the dataset's source sleeps this long before 
 SLOW_STEP, SLOW = 3, 0.30        # the net's forward sleeps in this step
 UPDATE_STEP, UPDATE_SLOW = 5, 0.25   # and the optimizer in this one
 PLANTED_STEP, PLANTED = 4, 400 * 2 ** 20   # bytes allocated and freed inside this step's forward
-# The test's clock reads sit a few statements from the group's, and a loaded machine may preempt either for a
-# scheduler slice: the tolerance on a region's time. The planted times are 5x it and more.
-TOLERANCE = 0.02
+# The test's clock reads sit a few statements from the group's (the optimizer's: MindSpore's Cell call between
+# its pre-hook and its construct), and a loaded machine may preempt either for a scheduler slice or two: the
+# tolerance on a region's time. The planted times are 5x it and more.
+TOLERANCE = 0.05
 
 
 class Batches:
