@@ -20,7 +20,7 @@ import inspect
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, Optional, Sequence, Set, Tuple
 
 from mindmon.config.checks import (ConfigError, check_bool, check_directory, check_int, check_keys, check_one_of,
                                    check_positive_number, is_int, key_path, parse_ranks, type_error,
@@ -121,6 +121,10 @@ def section_dict(section: Any) -> dict:
 
 class Section:
     """The base of a section written with `setting` fields: one `parse(path, raw)` and a `to_dict()`."""
+
+    # Keys the section accepts that other parsers read (a block such as msprobe's `alert`): their rows in
+    # the reference are written by hand, after the generated ones.
+    OTHER_KEYS: ClassVar[Tuple[str, ...]] = ()
 
     @classmethod
     def parse(cls, path: str, raw: Any):

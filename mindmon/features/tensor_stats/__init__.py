@@ -10,10 +10,6 @@ from mindmon.features.tensor_stats.config import TensorStatsConfig, parse_tensor
 CSV_FOLDER = "tensor_stats"   # the YAML route's msprobe run folders go under <output_dir>/tensor_stats/
 
 
-def _parse(path: str, value):
-    return None if value is None else parse_tensor_stats(value, path)
-
-
 def wanted(section: TensorStatsConfig, rank: int) -> bool:
     """Its hooks and monitors are built: switched on for this rank, or ready for config.json to switch
     them on while training (dynamic mode)."""
@@ -73,7 +69,7 @@ def _monitors(section: TensorStatsConfig, build) -> tuple:
     return stats, l2, cc, optimizer_state
 
 
-FEATURE = Feature("tensor_stats", "monitor.tensor_stats", parse=_parse, build=build,
+FEATURE = Feature("tensor_stats", "monitor.tensor_stats", parse=TensorStatsConfig.parse, build=build,
                   example={"monitor": {"tensor_stats": {"wg_distribution": True, "param_distribution": True,
                                                         "ops": ["norm", "min"]}}})
 __all__ = ["CSV_FOLDER", "FEATURE", "TensorStatsConfig", "parse_tensor_stats"]
