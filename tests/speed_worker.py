@@ -2,9 +2,11 @@
 Every rank's forward sleeps BASE seconds (a computing time that costs no CPU, so four ranks on two cores
 stay comparable); one rank's sleeps SLEEP more at chosen steps.
 
-    speed_worker.py OUTPUT_DIR STEPS SLOW_RANK SLOW_STEPS SLEEP
+    speed_worker.py OUTPUT_DIR STEPS SLOW_RANK SLOW_STEPS SLEEP [tp]
 
-SLOW_RANK -1: a balanced run. SLOW_STEPS: comma-separated steps (or "-").
+SLOW_RANK -1: a balanced run. SLOW_STEPS: comma-separated steps (or "-"). `tp`: a TP=2 x DP=2 layout
+(mindmon.parallel.megatron_layout; the model is replicated over the tensor-parallel pair, which trains on its
+replica's data), so the step's collectives are the data-parallel all-reduce and the tensor-parallel sums.
 """
 import sys
 import time
@@ -14,7 +16,7 @@ BASE = 0.2
 SLOW_RANK_FACTOR = 2.0
 
 
-def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: float) -> int:
+def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: float, tensor_parallel: bool) -> int:
     import mindspore as ms
     import numpy as np
     from mindspore import Tensor, nn
@@ -31,7 +33,14 @@ def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: fl
     optimizer = nn.SGD(model.trainable_params(), learning_rate=0.05)
     config = {"monitor": {"output_dir": output_dir, "train_state": {"local_loss": True},
                           "speed": {"enabled": True, "slow_rank_factor": SLOW_RANK_FACTOR}}}
-    group = build_group(parse_sections(config), model=model, parameter_names=[p.name for p in optimizer.parameters])
+    layout, replica = None, rank
+    if tensor_parallel:
+        from mindmon.parallel import megatron_layout
+
+        layout = megatron_layout(tp=2)
+        replica = layout.index("dp")
+    group = build_group(parse_sections(config), model=model, parameter_names=[p.name for p in optimizer.parameters],
+                        layout=layout)
     current = {"step": 0, "micro": 0}
 
     def loss_fn(x, y):
@@ -40,9 +49,9 @@ def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: fl
         current["micro"] += 1
         return model(x, y)
 
-    train_step = AccumulatingTrainStep(loss_fn, optimizer, K, group=group)
+    train_step = AccumulatingTrainStep(loss_fn, optimizer, K, group=group, layout=layout)
     group.setup(max_steps=steps, micro_steps_per_step=K)
-    x = np.random.default_rng(rank).normal(size=(K * LOCAL_BATCH, 3)).astype(np.float32)
+    x = np.random.default_rng(replica).normal(size=(K * LOCAL_BATCH, 3)).astype(np.float32)
     y = (x @ np.array([[1.0], [-2.0], [0.5]])).astype(np.float32)
     for step in range(1, steps + 1):
         current["step"], current["micro"] = step, 0
@@ -55,4 +64,4 @@ def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: fl
 
 if __name__ == "__main__":
     chosen = set() if sys.argv[4] == "-" else {int(s) for s in sys.argv[4].split(",")}
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), chosen, float(sys.argv[5])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), chosen, float(sys.argv[5]), sys.argv[6:] == ["tp"]))

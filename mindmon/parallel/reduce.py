@@ -65,7 +65,7 @@ class ModelParallelSums:
         self.weights = layout.norm_weights(SHARD_AXES, names)
         # A pipeline's micro-batch losses are known once the last stage has sent them.
         self.deferred_losses = layout.size("pp") > 1
-        self.job_axes = job_axes(layout)
+        self._job_axes = None
 
     def finish(self, squared_norms: np.ndarray, losses: Sequence[float], mean_loss: float, exchange):
         layout = self.layout
@@ -82,13 +82,20 @@ class ModelParallelSums:
             losses, mean_loss = list(summed_losses), float(summed_mean[0])
         return float(np.sqrt(share[0])), list(losses), mean_loss
 
+    @property
+    def job_axes(self) -> tuple:
+        """Read when a monitor first sends a `job` part (it asks the groups for their members)."""
+        if self._job_axes is None:
+            self._job_axes = job_axes(self.layout)
+        return self._job_axes
+
     def _with_payloads(self, axis: str, arrays: list, exchange, shards: bool = False) -> list:
         """`arrays` summed over the axis' group in one all-reduce, with the exchange's `shards` part (tp, cp)
         and its `job` part (every axis of `job_axes`) riding along; those sums go back to the exchange."""
         riding = []
         if exchange is not None and shards:
             riding.append(("shards", exchange.shards()))
-        if exchange is not None and axis in self.job_axes:
+        if exchange is not None and exchange.size("job") and axis in self.job_axes:
             riding.append(("job", exchange.job()))
         summed = packed_sum(self.layout.groups[axis], list(arrays) + [values for _, values in riding])
         for (part, _), values in zip(riding, summed[len(arrays):]):
