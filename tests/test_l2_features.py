@@ -30,6 +30,26 @@ def reference_attention(q_bshd, k_bshd, causal):
     return float(np.mean(-plogp.sum(axis=-1))), float(np.mean(p.max(axis=-1)))
 
 
+def msprobe_attention(q_bshd, k_bshd, causal):
+    """msprobe's definition, written out: Q K^T / sqrt(d) of batch 0 and head 0 only (an S x S matrix), the
+    lower triangle kept when causal, softmax per row; (mean row entropy, mean row maximum), in float64."""
+    q = q_bshd[0, :, 0, :].astype(np.float64)
+    k = k_bshd[0, :, 0, :].astype(np.float64)
+    scores = q @ k.T / np.sqrt(q.shape[-1])
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape, dtype=bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.nansum(p * np.log(p), axis=1)
+    return float(entropy.mean()), float(p.max(axis=1).mean())
+
+
+def reference_features(q_bshd, k_bshd, causal):
+    """ATTENTION_OPS: msprobe's pair (batch 0, head 0), then the mean over every batch and head."""
+    return (*msprobe_attention(q_bshd, k_bshd, causal), *reference_attention(q_bshd, k_bshd, causal))
+
+
 def qk(seed=0, batch=2, seq=9, heads=4, kv_heads=4, dim=8, scale=1.5):
     rng = np.random.default_rng(seed)
     q = (rng.standard_normal((batch, seq, heads, dim)) * scale).astype(np.float32)
@@ -46,15 +66,16 @@ def in_layout(array_bshd, order):
 @pytest.mark.parametrize("chunk", [1 << 22, 20])   # 20 scores per chunk: one query row at a time
 def test_attention_features_numpy_path(order, causal, chunk):
     q, k = qk()
-    want = reference_attention(q, k, causal)
+    want = reference_features(q, k, causal)
     got = attention_features_numpy(in_layout(q, order), in_layout(k, order), order, causal, chunk)
     assert got == pytest.approx(want, rel=2e-6), (got, want)
+    assert abs(want[0] - want[2]) > 1e-3   # batch 0 head 0 is not the mean: the two pairs are told apart
 
 
 @pytest.mark.parametrize("order", ["s,b,h,d", "b,s,h,d"])
 def test_attention_features_mindspore_path_with_grouped_heads(order):
     q, k = qk(seed=1, heads=4, kv_heads=2)
-    want = reference_attention(q, k, True)
+    want = reference_features(q, k, True)
     got = attention_features_device(ms.Tensor(in_layout(q, order)), ms.Tensor(in_layout(k, order)), order,
                                     True, chunk_elements=2 * 4 * 9 * 3).asnumpy()
     assert got.tolist() == pytest.approx(want, rel=5e-6), (got, want)
@@ -68,9 +89,9 @@ def test_causal_mask_changes_the_values_and_a_collapsed_attention_is_detected():
     same = np.broadcast_to(np.abs(q[:, :1]), q.shape).copy()
     sharp = np.zeros_like(same)
     sharp[:, 0] = same[:, 0] * 30
-    entropy, top = attention_features_numpy(same, sharp, "b,s,h,d", False)
+    entropy, top, *_ = attention_features_numpy(same, sharp, "b,s,h,d", False)
     assert entropy < 1e-3 and top > 0.999, (entropy, top)
-    entropy, top = attention_features_numpy(same, same, "b,s,h,d", False)
+    entropy, top, *_ = attention_features_numpy(same, same, "b,s,h,d", False)
     assert entropy == pytest.approx(np.log(q.shape[1]), rel=1e-6) and top == pytest.approx(1 / q.shape[1])
 
 
@@ -165,8 +186,9 @@ def test_monitor_records_go_out_as_tensor_stats_records():
         attention, linear = monitor.collect(3)
         assert (attention.kind, attention.name, attention.step, attention.micro_step) == \
             (ATTENTION_HOOK, "attn.attention", 3, 1)
-        assert attention.ops == ("entropy", "softmax_max") and attention.shape == q.shape
-        assert attention.value == pytest.approx(reference_attention(q, k, True), rel=5e-6)
+        assert attention.ops == ("entropy", "softmax_max", "entropy_mean", "softmax_max_mean")
+        assert attention.shape == q.shape
+        assert attention.value == pytest.approx(reference_features(q, k, True), rel=5e-6)
         singular = np.linalg.svd(w.astype(np.float64), compute_uv=False)
         assert (linear.kind, linear.ops) == (LINEAR_HOOK, ("sr", "kernel_norm"))
         assert linear.value == pytest.approx([np.sqrt((singular ** 2).sum()) / singular[0],

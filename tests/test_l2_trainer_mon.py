@@ -18,7 +18,7 @@ from mindmon.formats.msprobe_csv import read_csv
 from mindmon.kj600.module_hook import TrainerMon as Kj600TrainerMon
 from mindmon.msprobe import TrainerMon
 from mindmon.sinks.tensorboard import msprobe_tensorboard_sink
-from test_l2_features import reference_attention
+from test_l2_features import reference_features
 
 K, STEPS, BATCH, SEQ, HEADS, DIM = 2, 2, 2, 5, 2, 4
 HIDDEN = HEADS * DIM
@@ -104,7 +104,7 @@ def test_attention_and_linear_rows_against_numpy(tmp_path, monkeypatch):
         x = xs[record.micro_step].astype(np.float64)
         q = (x @ weights["wq.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
         k = (x @ weights["wk.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
-        assert record.value == pytest.approx(reference_attention(q, k, causal=True), rel=1e-5), record
+        assert record.value == pytest.approx(reference_features(q, k, causal=True), rel=1e-5), record
     for record in linear:
         w = seen[record.step - 1][0][record.name.replace(".linear", ".weight")]
         singular = np.linalg.svd(w, compute_uv=False)
@@ -121,8 +121,8 @@ def numpy_features(seen):
         for micro, x in enumerate(xs):
             q = (x.astype(np.float64) @ weights["wq.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
             k = (x.astype(np.float64) @ weights["wk.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
-            entropy, softmax_max = reference_attention(q, k, causal=True)
-            expected[(f"0:core.attention:{micro}/rank0/qkt", step)] = {"entropy": entropy, "softmax_max": softmax_max}
+            expected[(f"0:core.attention:{micro}/rank0/qkt", step)] = dict(zip(
+                ("entropy", "softmax_max", "entropy_mean", "softmax_max_mean"), reference_features(q, k, causal=True)))
         for cell in ("wq", "wk", "out"):
             w = weights[f"{cell}.weight"]
             frobenius = np.linalg.norm(w)
@@ -187,7 +187,7 @@ def test_alert_rule_on_softmax_max(tmp_path, monkeypatch):
         for micro, x in enumerate(xs):
             q = (x.astype(np.float64) @ weights["wq.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
             k = (x.astype(np.float64) @ weights["wk.weight"].T).reshape(BATCH, SEQ, HEADS, DIM)
-            expected[(step, micro)] = reference_attention(q, k, causal=True)[1]   # the dump counts from 0
+            expected[(step, micro)] = reference_features(q, k, causal=True)[1]   # the dump counts from 0
     threshold = float(np.median(list(expected.values())))
     rule = {"rule_name": "AnomalyNan", "args": {"threshold": threshold}, "kinds": ["attention_hook"],
             "statistics": ["softmax_max"]}
@@ -225,7 +225,7 @@ def test_attach_l2_features_finds_every_attention_and_linear_cell_of_the_demo_mo
     assert sum(kind == "linear_hook" for kind, _ in records) == len(handles) - len(attention_cells) == 29  # 28 Linear/Router + the embedding
     q, k = (t.astype(np.float64).reshape(1, t.shape[0], SMALL_MODEL["num_attention_heads"], -1) for t in captured[0])
     assert records[("attention_hook", f"{core}.attention")].value == \
-        pytest.approx(reference_attention(q, k, causal=True), rel=1e-5)
+        pytest.approx(reference_features(q, k, causal=True), rel=1e-5)
     w = cells["output_layer"].weight.asnumpy().astype(np.float64)
     singular = np.linalg.svd(w, compute_uv=False)
     assert records[("linear_hook", "output_layer.linear")].value == \

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SMALL_MODEL, make_data, make_model, read_jsonl, trainer_config
 from mindmon.formats.msprobe_csv import read_csv
-from test_l2_features import reference_attention
+from test_l2_features import reference_features
 
 ATTENTION = "decoder.layers.0.self_attention.core_attention"
 LINEAR = ("decoder.layers.0.self_attention.linear_qkv", "output_layer")
@@ -48,7 +48,7 @@ def expected_attention(q, k):
     """The cell's 2-D (tokens, heads x head_dim) Q and K as one sequence of tokens, causal."""
     tokens, hidden = q.shape
     shape = (1, tokens, HEADS, hidden // HEADS)
-    return reference_attention(q.reshape(shape), k.reshape(shape), causal=True)
+    return reference_features(q.reshape(shape), k.reshape(shape), causal=True)
 
 
 def expected_linear(w):

@@ -27,8 +27,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 DB_FILE = "monitor_data.trend.db"
 METRICS = ("actv", "actv_grad", "exp_avg", "exp_avg_sq", "grad_unreduced", "grad_reduced", "param_origin",
            "param_updated", "other")
-STATISTICS = ("norm", "min", "max", "zeros", "nans", "mean", "entropy", "softmax_max", "sr", "kernel_norm", "std_x",
-              "jacobian", "proxy", "token_similarity")
+STATISTICS = ("norm", "min", "max", "zeros", "nans", "mean", "entropy", "softmax_max", "entropy_mean",
+              "softmax_max_mean", "sr", "kernel_norm", "std_x", "jacobian", "proxy", "token_similarity")
 V2_METRICS = {("weight_grad", "unreduced"): "grad_unreduced", ("weight_grad", "reduced"): "grad_reduced",
               ("param", "param_origin"): "param_origin", ("param", "param_updated"): "param_updated",
               ("optimizer", "exp_avg"): "exp_avg", ("optimizer", "exp_avg_sq"): "exp_avg_sq",

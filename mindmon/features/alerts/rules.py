@@ -48,7 +48,8 @@ KIND_STATISTICS = {
 }
 NOT_JUDGED = ("histogram",)   # counts of a distribution, not a value of the run: no rule reads them
 MSPROBE_STATISTICS = ("norm", "min", "max", "mean", "nans", "zeros", "shape", "dtype",
-                      "entropy", "softmax_max", "sr", "kernel_norm")   # the last four: L2 features
+                      "entropy", "softmax_max", "entropy_mean", "softmax_max_mean", "sr",
+                      "kernel_norm")   # from entropy on: L2 features
 
 SeriesKey = Tuple[str, str, str]
 

@@ -2,9 +2,12 @@
 rank and kernel norm of a linear cell's weight (definitions in docs/l2-and-collectives.md).
 
 Attention, per forward call, with P = softmax(Q K^T / sqrt(d)) row by row (one row per batch, head and query):
-    entropy       mean over the rows of  -sum_j P_ij log P_ij      (natural log)
-    softmax_max   mean over the rows of  max_j P_ij
-Both in float32, over chunks of query rows, so that no more than `chunk_elements` scores exist at once
+    entropy            mean over the query rows of batch 0, head 0 of  -sum_j P_ij log P_ij   (natural log)
+    softmax_max        mean over the query rows of batch 0, head 0 of  max_j P_ij
+    entropy_mean       the same over every batch, head and query row
+    softmax_max_mean
+`entropy` and `softmax_max` are msprobe's (it takes batch 0, head 0 only); the `_mean` pair is mindmon's
+average over the whole batch and every head. All in float32, over chunks of query rows, so that no more than `chunk_elements` scores exist at once
 (never S x S per head for a long sequence). `causal` hides key j from query i when j > i + (S_k - S_q).
 
 Linear weight W (2-D, float32):
@@ -20,7 +23,7 @@ Example:
     monitor = L2FeaturesMonitor(sa_order="s,b,h,d", causal=True, on_host=True)
     monitor.record(ATTENTION_HOOK, ("layers.0.attention", q, k), {"micro_step": 0})
     monitor.record(LINEAR_HOOK, ("layers.0.linear", weight))
-    records = monitor.collect(step=1)   # TensorStatsRecords: attention_hook (entropy, softmax_max), linear_hook (sr, kernel_norm)
+    records = monitor.collect(step=1)   # TensorStatsRecords: attention_hook (ATTENTION_OPS), linear_hook (sr, kernel_norm)
 """
 import math
 from typing import Dict, List, Optional, Tuple
@@ -33,7 +36,7 @@ from mindmon.kernels.stats import host_array
 
 ATTENTION_HOOK = "attention_hook"   # CSV prefix and record kind, as msprobe names the feature group
 LINEAR_HOOK = "linear_hook"
-ATTENTION_OPS = ("entropy", "softmax_max")
+ATTENTION_OPS = ("entropy", "softmax_max", "entropy_mean", "softmax_max_mean")
 LINEAR_OPS = ("sr", "kernel_norm")
 SA_ORDERS = ("s,b,h,d", "b,s,h,d")
 CHUNK_ELEMENTS = 1 << 22        # scores held at once: 16 MiB of float32
@@ -72,8 +75,9 @@ def causal_mask(first_row: int, rows: int, queries: int, keys: int) -> np.ndarra
 
 
 def attention_features_numpy(q: np.ndarray, k: np.ndarray, sa_order: str = "s,b,h,d", causal: bool = False,
-                             chunk_elements: int = CHUNK_ELEMENTS) -> Tuple[float, float]:
-    """(entropy, softmax_max) of softmax(Q K^T / sqrt(d)) in float32, chunk by chunk over the queries."""
+                             chunk_elements: int = CHUNK_ELEMENTS) -> Tuple[float, float, float, float]:
+    """ATTENTION_OPS of softmax(Q K^T / sqrt(d)) in float32, chunk by chunk over the queries: (entropy,
+    softmax_max) of batch 0, head 0, then both averaged over every batch and head."""
     q = to_bhsd(np.asarray(q, dtype=np.float32), sa_order)
     k = to_bhsd(np.asarray(k, dtype=np.float32), sa_order)
     repeat = _check_shapes(q.shape, k.shape)
@@ -82,7 +86,7 @@ def attention_features_numpy(q: np.ndarray, k: np.ndarray, sa_order: str = "s,b,
     keys = k.shape[2]
     kt = np.swapaxes(k, 2, 3) * np.float32(1.0 / math.sqrt(dim))
     step = _rows_per_chunk(batch, heads, keys, chunk_elements)
-    entropy_sum = max_sum = 0.0
+    entropy_sum = max_sum = first_entropy = first_max = 0.0
     for start in range(0, queries, step):
         scores = np.matmul(q[:, :, start:start + step], kt)          # [b, h, rows, keys] float32
         if causal:
@@ -92,15 +96,18 @@ def attention_features_numpy(q: np.ndarray, k: np.ndarray, sa_order: str = "s,b,
         total = weights.sum(axis=-1)
         # -sum p log p = log Z - sum(e * shifted) / Z, and max p = 1 / Z (the row max has e = 1).
         entropy = np.log(total) - (weights * shifted).sum(axis=-1) / total
+        row_max = 1.0 / total
         entropy_sum += float(entropy.sum(dtype=np.float64))
-        max_sum += float((1.0 / total).sum(dtype=np.float64))
+        max_sum += float(row_max.sum(dtype=np.float64))
+        first_entropy += float(entropy[0, 0].sum(dtype=np.float64))
+        first_max += float(row_max[0, 0].sum(dtype=np.float64))
     rows = batch * heads * queries
-    return entropy_sum / rows, max_sum / rows
+    return first_entropy / queries, first_max / queries, entropy_sum / rows, max_sum / rows
 
 
 def attention_features_device(q, k, sa_order: str = "s,b,h,d", causal: bool = False,
                               chunk_elements: int = CHUNK_ELEMENTS):
-    """The same with MindSpore ops; a float32 device tensor [entropy, softmax_max], nothing read back."""
+    """The same with MindSpore ops; a float32 device tensor of the ATTENTION_OPS, nothing read back."""
     import mindspore as ms
     from mindspore import mint, ops
 
@@ -115,7 +122,7 @@ def attention_features_device(q, k, sa_order: str = "s,b,h,d", causal: bool = Fa
     keys = k.shape[2]
     kt = ops.transpose(k, (0, 1, 3, 2)) * (1.0 / math.sqrt(dim))
     step = _rows_per_chunk(batch, heads, keys, chunk_elements)
-    entropy_sum = max_sum = None
+    sums = None   # [entropy, softmax_max] of batch 0 head 0, then of everything
     for start in range(0, queries, step):
         scores = mint.matmul(q[:, :, start:start + step], kt)
         if causal:
@@ -124,11 +131,12 @@ def attention_features_device(q, k, sa_order: str = "s,b,h,d", causal: bool = Fa
         shifted = scores - scores.max(axis=-1, keepdims=True)
         weights = ops.exp(shifted)
         total = weights.sum(axis=-1)
-        entropy = (ops.log(total) - (weights * shifted).sum(axis=-1) / total).sum()
-        row_max = (1.0 / total).sum()
-        entropy_sum = entropy if entropy_sum is None else entropy_sum + entropy
-        max_sum = row_max if max_sum is None else max_sum + row_max
-    return ops.stack([entropy_sum, max_sum]) / float(batch * heads * queries)
+        entropy = ops.log(total) - (weights * shifted).sum(axis=-1) / total
+        row_max = 1.0 / total
+        chunk = ops.stack([entropy[0, 0].sum(), row_max[0, 0].sum(), entropy.sum(), row_max.sum()])
+        sums = chunk if sums is None else sums + chunk
+    rows = float(batch * heads * queries)
+    return sums / ms.Tensor([queries, queries, rows, rows], ms.float32)
 
 
 # --- linear weights ----------------------------------------------------------------------------------------
@@ -278,10 +286,10 @@ class L2FeaturesMonitor(Monitor):
         if device:  # one host transfer for every device result of the step
             from mindspore import ops
 
-            host = iter(ops.stack(device).asnumpy().astype(np.float64).tolist())
+            host = iter(ops.concat(device).asnumpy().astype(np.float64).tolist())
         records = []
         for kind, name, micro_step, ops_, shape, dtype, values in self._pending:
-            values = list(values) if isinstance(values, tuple) else next(host)
+            values = list(values) if isinstance(values, tuple) else [next(host) for _ in ops_]
             records.append(TensorStatsRecord(step, micro_step, self.rank, kind, name, [float(v) for v in values],
                                              ops=ops_, shape=shape, dtype=dtype))
         self.reset()
