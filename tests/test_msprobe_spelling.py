@@ -11,7 +11,7 @@ import pytest
 
 from msprobe_reference import K, NAMES, STEPS, make_model, make_optimizer, msprobe_loop, reference_run, statistic, train_steps
 from mindmon.config import ConfigError
-from mindmon.formats.msprobe_tags import MsprobeTag, read_tag, tag_name
+from mindmon.formats.msprobe_tags import MsprobeTag, format_tag, msprobe_csv_name, read_tag, tag_name
 from mindmon.msprobe import TrainerMon, parse_tensor_stats
 from mindmon.sinks.tensorboard import msprobe_tensorboard_sink
 
@@ -70,6 +70,14 @@ def test_tag_names_both_ways():
     assert read_tag("0:fc1.weight/rank2/exp_avg_min").kind == "exp_avg"
     assert read_tag("0:fc1.weight/rank0/post_grad").kind == "grad_reduced"
     assert read_tag("grad_reduced/fc1.weight/norm") is None
+    # the collectives: read back, and msprobe's CSV name of the row
+    assert read_tag("AllReduce/rank1/pre_3_0_norm") == MsprobeTag(None, "AllReduce", None, 1, "pre", "norm", 3, 0)
+    assert read_tag("all_reduce/rank0/post_0_1").kind == "cc_post"
+    for tag in ("AllReduce/rank1/pre_3_0_norm", "all_reduce/rank0/post_0_1", "0:fc1.output:1/rank0/actv_grad_norm",
+                "1:layers.0.weight/rank2/post_grad", "0:core.attention:1/rank0/qkt_entropy_mean"):
+        assert format_tag(read_tag(tag)) == tag
+    assert msprobe_csv_name("comm_func.all_reduce.my.train.py[9].0.output_1") == "all_reduce.output"
+    assert msprobe_csv_name("AllGather.train.py[28].3.input") == "AllGather.input"
 
 
 def test_api_format_writes_no_files_and_msprobe_tensorboard_tags(tmp_path, monkeypatch):

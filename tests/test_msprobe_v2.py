@@ -206,6 +206,12 @@ def test_same_files_as_msprobe_where_msprobe_works(tmp_path, mindmon_run):
     ({"monitors": {"modules": {}}}, "monitors.modules: unknown key 'modules' (did you mean 'module'?)"),
     ({"monitors": {"weight_grad": {"enabled": True, "monitor_mbs_grad": "yes"}}},
      "monitors.weight_grad.monitor_mbs_grad: got 'yes' (str); allowed: True or False"),
+    ({"monitors": {"cc": {"enabled": True, "cc_codeline": ["train.py[("]}}},
+     "monitors.cc.cc_codeline: got 'train.py[(' (str); allowed: valid regular expressions"),
+    ({"monitors": {"cc": {"enabled": True, "module_ranks": [-1]}}},
+     "monitors.cc.module_ranks: got [-1] (list); allowed: a list of ranks, ints >= 0 ([] = every rank)"),
+    ({"monitors": {"cc": {"enabled": True, "cc_distribution": {"cc_pre_hok": True}}}},
+     "monitors.cc.cc_distribution.cc_pre_hok: unknown key 'cc_pre_hok' (did you mean 'cc_pre_hook'?)"),
 ])
 def test_a_bad_key_is_one_line(tmp_path, change, message):
     from mindmon.msprobe import TrainerMonitorV2
@@ -289,3 +295,17 @@ def test_mean_is_rounded_as_mindspores_float32_mean():
         assert msprobe_mean(exact / data.size, data.shape) == float(want)
         differing += want != np.float32(exact / data.size)
     assert differing > 0
+
+
+def test_cc_becomes_the_collectives_section_on_its_ranks():
+    """monitors.cc (its keys nested in cc_distribution, as msprobe takes them) is TrainerMon's
+    cc_distribution on the ranks of its module_ranks, and nothing on the others."""
+    from mindmon.features.l2.config import CcConfig
+    from mindmon.msprobe.trainer_v2 import translate
+    from mindmon.msprobe.v2_config import parse_config_v2
+
+    config = parse_config_v2({"monitors": {"module": {"enabled": False}, "cc": {
+        "enabled": True, "cc_distribution": {"cc_pre_hook": True, "cc_codeline": ["x\\.py"], "module_ranks": [1]}}}})
+    assert translate(config, None, None, 1)["tensor_stats"].cc == CcConfig(enable=True, codeline=("x\\.py",),
+                                                                            pre_hook=True)
+    assert not translate(config, None, None, 0)["tensor_stats"].active

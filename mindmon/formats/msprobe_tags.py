@@ -27,6 +27,10 @@ their role, the function's call index within the step and the tensor's index wit
     cc_pre  AllReduce.train.py[28].3.input      -> AllReduce/rank0/pre_3_0     (its norm: ..._norm)
     cc_post comm_func.all_reduce.t.py[9].0.output_1 -> all_reduce/rank0/post_0_1
 
+msprobe's own CSV (TrainerMon's `cc_pre_*.csv`, `cc_post_*.csv`) names a collective's tensors by the
+function and role alone, `AllReduce.input` / `all_reduce.output` (`msprobe_csv_name`); a row per tensor per
+call, in call order. monitor_v2's `cc` file names them by the tag name, `all_reduce/rank0/post_0_0`.
+
 A histogram's heat map image takes the bare tag name (`0:fc1.weight/rank0/adam_update`), as msprobe's
 heat maps do. Kinds msprobe has no name for (losses, mindmon's own monitors) have no tag name here.
 
@@ -35,6 +39,8 @@ Example:
     scalar_tag(tag_name("actv", "fc1.output", 1, 0), "norm")   # '0:fc1.output:1/rank0/actv_norm'
     tag_name("cc_post", "AllReduce.train.py[28].3.output", None, 1)   # 'AllReduce/rank1/post_3_0'
     read_tag("0:fc1.output:1/rank0/actv_norm")           # MsprobeTag(0, 'fc1.output', 1, 0, 'actv', 'norm')
+    read_tag("AllReduce/rank1/post_3_0_norm")            # MsprobeTag(None, 'AllReduce', None, 1, 'post', 'norm', 3, 0)
+    format_tag(read_tag(tag)) == tag                     # for every tag tag_name and scalar_tag make
 """
 import re
 from typing import NamedTuple, Optional
@@ -49,24 +55,56 @@ POINTS = {   # mindmon kind -> msprobe point
 }
 CC_PREFIXES = {"cc_pre": "pre", "cc_post": "post"}   # mindmon's collective kinds -> msprobe's tensor prefix
 KINDS = {point: kind for kind, point in POINTS.items() if not kind.endswith("_histogram")}   # the way back
-# mindmon's collective row, mindmon/features/collectives/hooks.py: <function>.<file>[<line>].<call>.<role>[_<i>]
-_CC_ROW = re.compile(r"^(?:comm_func\.)?(?P<function>\w+)\..*\.(?P<call>\d+)\.(?:input|output)(?:_(?P<index>\d+))?$")
 _CHUNKED = re.compile(r"^\d+:")
 _TAG = re.compile(r"^(?P<vpp>\d+):(?P<name>.*?)(?::(?P<micro>\d+))?/rank(?P<rank>\d+)/(?P<rest>[^/]+)$")
 
 
+_CC_TAG = re.compile(r"^(?P<function>\w+)/rank(?P<rank>\d+)/(?P<prefix>pre|post)_(?P<call>\d+)_(?P<index>\d+)"
+                     r"(?:_(?P<statistic>\w+))?$")
+CC_KINDS = {prefix: kind for kind, prefix in CC_PREFIXES.items()}
+
+
 class MsprobeTag(NamedTuple):
-    vpp_stage: int
-    name: str
+    vpp_stage: Optional[int]   # None for a collective (a call belongs to no chunk)
+    name: str                  # the tensor's name; a collective's function
     micro_step: Optional[int]
     rank: int
-    point: str
+    point: str                 # msprobe's point; `pre` / `post` for a collective
     statistic: Optional[str]   # None for a bare tag name
+    call: Optional[int] = None     # a collective's call index
+    tensor: Optional[int] = None   # a collective's tensor index within the call
 
     @property
     def kind(self) -> str:
         """mindmon's kind of the point."""
-        return KINDS[self.point]
+        return CC_KINDS[self.point] if self.call is not None else KINDS[self.point]
+
+
+class CollectiveRow(NamedTuple):
+    """The parts of mindmon's name of a collective's tensor (mindmon/features/collectives/hooks.py)."""
+    function: str   # the primitive's class or the comm_func function, without `comm_func.`
+    call: int
+    role: str       # input / output
+    tensor: int
+
+
+_CC_ROW_PARTS = re.compile(r"^(?:comm_func\.)?(?P<function>\w+)\..*\.(?P<call>\d+)\.(?P<role>input|output)"
+                           r"(?:_(?P<index>\d+))?$")
+
+
+def collective_row(name: str) -> Optional[CollectiveRow]:
+    """A collective row's parts; None when `name` is not one."""
+    match = _CC_ROW_PARTS.match(name)
+    if match is None:
+        return None
+    return CollectiveRow(match.group("function"), int(match.group("call")), match.group("role"),
+                         int(match.group("index") or 0))
+
+
+def msprobe_csv_name(name: str) -> str:
+    """msprobe's CSV name of a collective row: `<function>.<input|output>` (the name itself if not one)."""
+    row = collective_row(name)
+    return name if row is None else f"{row.function}.{row.role}"
 
 
 def tag_name(kind: str, name: str, micro_step: Optional[int], rank: int) -> Optional[str]:
@@ -82,10 +120,10 @@ def tag_name(kind: str, name: str, micro_step: Optional[int], rank: int) -> Opti
 
 
 def _collective_tag_name(kind: str, name: str, rank: int) -> Optional[str]:
-    match = _CC_ROW.match(name)
-    if match is None:
+    row = collective_row(name)
+    if row is None:
         return None
-    return f"{match.group('function')}/rank{rank}/{CC_PREFIXES[kind]}_{match.group('call')}_{match.group('index') or 0}"
+    return f"{row.function}/rank{rank}/{CC_PREFIXES[kind]}_{row.call}_{row.tensor}"
 
 
 def scalar_tag(name_of_tag: str, statistic: str) -> str:
@@ -93,11 +131,11 @@ def scalar_tag(name_of_tag: str, statistic: str) -> str:
 
 
 def read_tag(tag: str) -> Optional[MsprobeTag]:
-    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling of a
-    cell's or parameter's tensor (the collectives' tags, which name no chunk, are not read back)."""
+    """A tag (bare or with its statistic) back into its parts; None when it is not msprobe's spelling (a
+    tag of mindmon's own, `<kind>/<name>`)."""
     match = _TAG.match(tag)
     if match is None:
-        return None
+        return _read_collective_tag(tag)
     rest, statistic = match.group("rest"), None
     if rest not in KINDS:
         point = next((p for p in sorted(KINDS, key=len, reverse=True) if rest.startswith(p + "_")), None)
@@ -107,3 +145,21 @@ def read_tag(tag: str) -> Optional[MsprobeTag]:
     micro = match.group("micro")
     return MsprobeTag(int(match.group("vpp")), match.group("name"), None if micro is None else int(micro),
                       int(match.group("rank")), rest, statistic)
+
+
+def _read_collective_tag(tag: str) -> Optional[MsprobeTag]:
+    match = _CC_TAG.match(tag)
+    if match is None:
+        return None
+    return MsprobeTag(None, match.group("function"), None, int(match.group("rank")), match.group("prefix"),
+                      match.group("statistic"), int(match.group("call")), int(match.group("index")))
+
+
+def format_tag(tag: MsprobeTag) -> str:
+    """The tag `read_tag` read: its parts back into msprobe's spelling."""
+    if tag.call is not None:
+        text = f"{tag.name}/rank{tag.rank}/{tag.point}_{tag.call}_{tag.tensor}"
+    else:
+        micro = "" if tag.micro_step is None else f":{tag.micro_step}"
+        text = f"{tag.vpp_stage}:{tag.name}{micro}/rank{tag.rank}/{tag.point}"
+    return text if tag.statistic is None else scalar_tag(text, tag.statistic)

@@ -56,6 +56,7 @@ def load_kj600_config(path: str):
 class TrainerMon(MsprobeTrainerMon):
     """kj600's monitor: msprobe's TrainerMon with kj600's entry points and TensorBoard output."""
 
+    CC_CALLS_RESTART_EACH_STEP = True   # kj600's tags count a collective's calls within the step
     _wrapped_optimizer = None   # given to set_wrapped_optimizer before hook_modules
     _awaiting = None            # the TrainerMon whose hook_modules ran without one: the next set_wrapped_optimizer's
 

@@ -27,6 +27,7 @@ from mindmon.features.tensor_stats.hooks import TensorStatsHooks, attachment
 from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD, GRAD_REDUCED, GRAD_UNREDUCED
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 from mindmon.formats.msprobe_csv import output_root as csv_output_root, run_folder_name
+from mindmon.formats.msprobe_tags import CC_PREFIXES, msprobe_csv_name
 from mindmon.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("mindmon")
@@ -38,6 +39,10 @@ class TrainerMon:
     instead of msprobe's CSV files (kj600 hands in its TensorBoard sink) and the `run_folder` its other
     files (stack_info.csv) go to; the parameters to watch when no optimizer is given
     (`parameters_without_optimizer(model)`: kj600 watches the model's; msprobe, none)."""
+
+    # msprobe's MindSpore TrainerMon numbers a collective function's calls from attaching on, never again
+    # from 0 (the call index in the tags and the anomaly dump)
+    CC_CALLS_RESTART_EACH_STEP = False
 
     def __init__(self, config_file_path: Optional[str], process_group=None, params_have_main_grad: bool = True,
                  opt_ty=None, *, config: Optional[TensorStatsConfig] = None, sink: Optional[Sink] = None,
@@ -65,7 +70,7 @@ class TrainerMon:
 
     def _csv_sink(self) -> Optional[MsprobeCsvSink]:
         """msprobe's CSV files; none with `format: "api"` (the numbers only through generate_*_metrics)."""
-        return MsprobeCsvSink.for_config(self.config) if self.config.writes_csv else None
+        return MsprobeNamesCsvSink.for_config(self.config) if self.config.writes_csv else None
 
     def _run_folder(self) -> str:
         """Where module_struct.json and stack_info.csv go: the CSV run folder, or one of the same name
@@ -137,6 +142,8 @@ class TrainerMon:
         self.model = model
         config = self.config if self._ops == self.config.ops else dataclasses.replace(self.config, ops=self._ops)
         hooks = self._build(config, watcher, later)
+        if hooks.cc_monitor is not None:
+            hooks.cc_monitor.calls_restart_each_step = self.CC_CALLS_RESTART_EACH_STEP
         self.group.setup(start_step=start_iteration, micro_steps_per_step=grad_acc_steps)
         at = attachment(model, grad_acc_steps, optimizer, dp_group, tp_group, self.parameters_without_optimizer(model))
         try:
@@ -218,6 +225,16 @@ class TrainerMon:
             self.hooks.detach()
         if self.group is not None:
             self.group.close()
+
+
+class MsprobeNamesCsvSink(MsprobeCsvSink):
+    """msprobe's CSV files with msprobe's names for the collectives' rows: `AllReduce.input`,
+    `all_reduce.output` (a row per tensor per call, in call order), where mindmon's own outputs name the
+    call site and call index."""
+
+    def write(self, records: Sequence) -> None:
+        super().write([dataclasses.replace(r, name=msprobe_csv_name(r.name)) if r.kind in CC_PREFIXES else r
+                       for r in records])
 
 
 DOCUMENTED_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iteration")

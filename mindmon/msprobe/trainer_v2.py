@@ -63,10 +63,9 @@ class TrainerMonitorV2:
         if config.collected_steps == 0 or not config.monitors:
             logger.info("mindmon: TrainerMonitorV2 collects nothing (no monitor enabled, or an empty step window)")
             return
-        if "cc" in config.monitors:
-            logger.warning("mindmon: TrainerMonitorV2: monitors.cc is accepted but not collected by mindmon's "
-                           "monitor_v2 front door (use cc_distribution with TrainerMon)")
-        if set(config.monitors) == {"cc"}:
+        sections = translate(config, model, optimizer, self.rank)
+        if not sections["tensor_stats"].active:
+            logger.info("mindmon: TrainerMonitorV2 collects nothing on rank %d (monitors.cc.module_ranks)", self.rank)
             return
         grad_acc_steps = self._grad_acc_steps(context)
         patch = config.patch_optimizer_step
@@ -74,7 +73,6 @@ class TrainerMonitorV2:
         if optimizer is not None and patch is False:
             logger.info("mindmon: TrainerMonitorV2: patch_optimizer_step is false; a step still ends at the "
                         "optimizer's call (where its gradients and parameters are read), step() only counts")
-        sections = translate(config, model, optimizer)
         sink = MonitorV2CsvSink(config.output_dir, self.rank, {n: m.ops for n, m in config.monitors.items()},
                                 grad_acc_steps, config.start_step, config.step_count_per_record)
         from mindmon.factory import assemble
@@ -155,10 +153,11 @@ class TrainerMonitorV2:
         self.group.flush(step)
 
 
-def translate(config: ConfigV2, model, optimizer) -> Dict[str, Any]:
+def translate(config: ConfigV2, model, optimizer, rank: int = 0) -> Dict[str, Any]:
     """monitor_v2's monitors as a `monitor.tensor_stats` section: one engine, the union of the monitors'
     ops (each file writes its monitor's own), every optimizer parameter for weight_grad and param, the
-    cells whose names hold a module target keyword for module."""
+    cells whose names hold a module target keyword for module, the collectives' wrappers for cc (on the
+    ranks of its module_ranks)."""
     monitors = config.monitors
     eps_values = {m.eps for m in monitors.values()}
     if len(eps_values) > 1:
@@ -175,6 +174,11 @@ def translate(config: ConfigV2, model, optimizer) -> Dict[str, Any]:
     if "module" in monitors:
         section["xy_distribution"] = True
         section["targets"] = module_targets(monitors["module"].options["targets"], model, optimizer)
+    cc = monitors.get("cc")
+    if cc is not None and (not cc.options["module_ranks"] or rank in cc.options["module_ranks"]):
+        section["cc_distribution"] = {"enable": True, "cc_codeline": list(cc.options["cc_codeline"]),
+                                      "cc_pre_hook": cc.options.get("cc_pre_hook", False),
+                                      "cc_log_only": cc.options.get("cc_log_only", False)}
     return {"tensor_stats": parse_tensor_stats(section, "monitors")}
 
 

@@ -11,6 +11,7 @@ Defaults are msprobe's. Where msprobe warns and falls back (an unknown op, a bad
 step_count_per_record), mindmon stops with one line naming the key, the value and what is allowed.
 """
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -175,6 +176,10 @@ def _options(path: str, name: str, entry: dict) -> Dict[str, Any]:
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
             raise type_error(f"{path}.targets", targets, "a list of cell-name keywords ([] = every cell)")
         options["targets"] = tuple(targets)
+    if name == "cc":
+        entry = _cc_entry(path, entry)
+        options["cc_codeline"] = _codeline(f"{path}.cc_codeline", entry.get("cc_codeline", []))
+        options["module_ranks"] = _module_ranks(f"{path}.module_ranks", entry.get("module_ranks", []))
     for flag in ("monitor_mbs_grad", "mv_distribution", "param_distribution", "cc_log_only", "cc_pre_hook"):
         if flag in entry:
             options[flag] = check_bool(f"{path}.{flag}", entry[flag])
@@ -182,3 +187,31 @@ def _options(path: str, name: str, entry: dict) -> Dict[str, Any]:
         if count in entry:
             options[count] = check_int(f"{path}.{count}", entry[count], 1)
     return options
+
+
+CC_KEYS = ("cc_codeline", "cc_log_only", "cc_pre_hook", "module_ranks")
+
+
+def _cc_entry(path: str, entry: dict) -> dict:
+    """monitor_v2 takes the cc keys from a nested `cc_distribution` mapping when there is one."""
+    if "cc_distribution" not in entry:
+        return entry
+    nested = check_keys(f"{path}.cc_distribution", entry["cc_distribution"], CC_KEYS)
+    return dict(nested, **{k: v for k, v in entry.items() if k not in CC_KEYS and k != "cc_distribution"})
+
+
+def _codeline(path: str, value: Any) -> Tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise type_error(path, value, 'a list of regular expressions like "train.py\\\\[23\\\\]"')
+    for pattern in value:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise value_error(path, pattern, f"valid regular expressions ({error})") from None
+    return tuple(value)
+
+
+def _module_ranks(path: str, value: Any) -> Tuple[int, ...]:
+    if not isinstance(value, list) or not all(is_int(r) and r >= 0 for r in value):
+        raise type_error(path, value, "a list of ranks, ints >= 0 ([] = every rank)")
+    return tuple(value)

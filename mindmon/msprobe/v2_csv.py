@@ -1,8 +1,10 @@
 """monitor_v2's CSV files (msprobe's CSVWriterV2), written from mindmon's tensor-statistics records.
 
-    <output_dir>/rank_<r>/<slug>_step<first>-<last>.csv     slug: module, weight_grad, optimizer, param
+    <output_dir>/rank_<r>/<slug>_step<first>-<last>.csv     slug: module, weight_grad, optimizer, param, cc
 
-A file holds `step_count_per_record` steps, counted from `start_step`. Header and row, as msprobe:
+The collectives (`cc`) rows are named by msprobe's tag name, `all_reduce/rank0/post_0_0`
+(function/rank/<pre|post>_<call>_<tensor>, the call counted from 0 in each step), scope `comm`, no
+`vpp_stage` (empty, as msprobe's rows carry none). A file holds `step_count_per_record` steps, counted from `start_step`. Header and row, as msprobe:
 
     vpp_stage,step,module_name,scope,micro_step,min,max
     -1,0,fc1.weight,unreduced,1,-0.25,0.5
@@ -26,8 +28,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.engine import Sink
+from mindmon.features.collectives.hooks import CC_POST, CC_PRE
 from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
                                                   PARAM_ORIGIN, PARAM_UPDATED)
+from mindmon.formats.msprobe_tags import CC_PREFIXES, tag_name
 from mindmon.records import TensorStatsRecord
 
 logger = logging.getLogger("mindmon")
@@ -40,6 +44,7 @@ SLUG_SCOPES = {
     GRAD_UNREDUCED: ("weight_grad", "unreduced"), GRAD_REDUCED: ("weight_grad", "reduced"),
     EXP_AVG: ("optimizer", "exp_avg"), EXP_AVG_SQ: ("optimizer", "exp_avg_sq"),
     ACTV: ("module", "forward"), ACTV_GRAD: ("module", "backward"),
+    CC_PRE: ("cc", "comm"), CC_POST: ("cc", "comm"),
 }
 # monitor_v2's names of mindmon's activation-gradient rows: the gradient of a cell's input is its
 # `grad_input`, of its output its `grad_output` (as msprobe 26.2.0 writes them on MindSpore 2.9).
@@ -114,7 +119,8 @@ class MonitorV2CsvSink(Sink):
         micro_step = self._micro_step(record)
         if micro_step is not None:
             fields["micro_step"] = micro_step
-        fields["vpp_stage"] = vpp_stage(fields["module_name"])
+        # monitor_v2's cc rows carry no stage: CSVWriterV2 leaves the column empty
+        fields["vpp_stage"] = "" if record.kind in CC_PREFIXES else vpp_stage(fields["module_name"])
         stats = dict(zip(record.ops, record.value))
         fields.update((op, float32_value(stats.get(op, float("nan")))) for op in self.ops[slug])
         if "mean" in fields:
@@ -128,6 +134,8 @@ class MonitorV2CsvSink(Sink):
             return module_row_name(record.kind, record.name)
         if record.kind in (EXP_AVG, EXP_AVG_SQ):   # the optimizer state's name, then the scope
             return f"{record.kind}.{record.name}.{record.kind}"
+        if record.kind in CC_PREFIXES:   # the tag name: all_reduce/rank0/post_0_0
+            return tag_name(record.kind, record.name, None, record.rank) or record.name
         return record.name
 
     def _micro_step(self, record: TensorStatsRecord) -> Optional[int]:

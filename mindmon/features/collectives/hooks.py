@@ -10,7 +10,9 @@ attributes: code that imported a function by name before attaching keeps the ori
 - each distinct (function, stack) is logged once: the stack, the input dtypes and the communication group;
 - `cc_pre_hook`: the inputs' statistics before the call (kind `cc_pre`); always the outputs' after it
   (kind `cc_post`); rows named `<function>.<file>[<line>].<n>.input|output` (`_i` with several tensors),
-  n counting the calls of that function within the step (at every site, as msprobe's call index);
+  n counting the calls of that function (at every site, as msprobe's call index): within the step, or,
+  with the monitor's `calls_restart_each_step` off (msprobe's TrainerMon), since attaching, in every step
+  collected or not (the calls `cc_codeline` leaves out not counted, as msprobe);
 - `cc_log_only`: logging only, no statistics, and training is stopped (`CollectivesLogged`, exit status 0)
   before the second optimizer step.
 
@@ -49,18 +51,22 @@ class CollectivesLogged(SystemExit):
 
 class CollectiveStatsMonitor(TensorStatsMonitor):
     """The tensor statistics (config `ops`) of collective inputs and outputs; `next_call` numbers the calls
-    of one function within a step (wherever they are made: the number alone tells a call from the others of
-    the function, as in msprobe's tag `AllReduce/rank0/post_3_0`)."""
+    of one function (wherever they are made: the number alone tells a call from the others of the
+    function, as in msprobe's tag `AllReduce/rank0/post_3_0`), from 0 at each step while
+    `calls_restart_each_step` (msprobe's monitor_v2, mindmon's own outputs), else from attaching on
+    (msprobe's TrainerMon, whose MindSpore call index never starts again)."""
 
     KEYS = (CC_PRE, CC_POST)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls: Dict[str, int] = {}
+        self.calls_restart_each_step = True
 
     def reset(self) -> None:
         super().reset()
-        self.calls = {}
+        if self.calls_restart_each_step:
+            self.calls = {}
 
     def next_call(self, function: str) -> int:
         self.calls[function] = self.calls.get(function, 0) + 1
@@ -165,10 +171,13 @@ class CollectivePatch:
     def call(self, api: str, run, args, kwargs, primitive):
         """The user's collective call, observed. Only the outermost collective of a call is taken;
         `cc_log_only` logs in every step (it is about finding the calls, not about collected steps)."""
-        if getattr(self._local, "inside", False) or not (self.cc.log_only or self.collecting()):
+        if getattr(self._local, "inside", False):
+            return run()
+        if not (self.cc.log_only or self.collecting()):
+            self._count_uncollected(api)
             return run()
         stack = call_stack()
-        if self.patterns and not any(p.search(line) for p in self.patterns for line in stack):
+        if not self._taken(stack):
             return run()
         self._local.inside = True
         try:
@@ -179,6 +188,16 @@ class CollectivePatch:
             return output
         finally:
             self._local.inside = False
+
+    def _taken(self, stack: List[str]) -> bool:
+        return not self.patterns or any(p.search(line) for p in self.patterns for line in stack)
+
+    def _count_uncollected(self, api: str) -> None:
+        """A call outside the collected steps still takes its call index when the index runs over steps."""
+        monitor = self.monitor
+        if monitor is not None and not monitor.calls_restart_each_step and not self.cc.log_only \
+                and self._taken(call_stack() if self.patterns else []):
+            monitor.next_call(api)
 
     def _observe_before(self, api, stack, args, kwargs, primitive) -> Optional[str]:
         """Logs a new (function, stack) once; records the inputs with cc_pre_hook. The row prefix, or None
