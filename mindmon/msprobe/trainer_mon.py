@@ -28,6 +28,7 @@ from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD, GRAD_REDUCED, 
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 from mindmon.formats.msprobe_csv import output_root as csv_output_root, run_folder_name
 from mindmon.formats.msprobe_tags import CC_PREFIXES, msprobe_csv_name
+from mindmon.msprobe.step_events import StepEvents
 from mindmon.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("mindmon")
@@ -64,6 +65,7 @@ class TrainerMon:
         self.extra_sinks = list(extra_sinks)
         self.rank = DataParallel().rank
         self.group = None
+        self.step_events: Optional[StepEvents] = None
         self.model = None
         self.wrapped_optimizer = None
         self._ops = self.config.ops
@@ -132,49 +134,78 @@ class TrainerMon:
             raise ConfigError("model: got an empty list; allowed: a model or the list of its virtual-pipeline "
                               "chunks")
         model = as_model(model)
-        if self.hooks is not None:
+        if self.hooks is not None or self.group is not None:
             raise RuntimeError("set_monitor was already called on this TrainerMon; make one TrainerMon per run")
         watcher = ConfigWatcher(self.config_path) if dynamic_mode() and self.config_path else None
-        if watcher is None and (not self.config.active or not self.config.selects_rank(self.rank)):
+        timed = self._timed(later)
+        if watcher is None and (not (self.config.active or timed) or not self.config.selects_rank(self.rank)):
             logger.info("mindmon: TrainerMon collects nothing on rank %d (no *_distribution switched on, or the "
                         "rank is not in module_ranks)", self.rank)
             return
         self.model = model
         config = self.config if self._ops == self.config.ops else dataclasses.replace(self.config, ops=self._ops)
-        hooks = self._build(config, watcher, later)
-        if hooks.cc_monitor is not None:
+        hooks = self._build(config, watcher, later, timed)   # None: the speed block alone
+        if hooks is not None and hooks.cc_monitor is not None:
             hooks.cc_monitor.calls_restart_each_step = self.CC_CALLS_RESTART_EACH_STEP
         self.group.setup(start_step=start_iteration, micro_steps_per_step=grad_acc_steps)
         at = attachment(model, grad_acc_steps, optimizer, dp_group, tp_group, self.parameters_without_optimizer(model))
+        self.step_events = StepEvents(self.group, start_iteration, self.group.flush) if timed else None
         try:
-            hooks.attach(at, start_iteration)
+            if self.step_events is not None:   # its StepBegin resets the monitors: before the step's first record
+                self.step_events.attach_model(model)
+            if hooks is not None:
+                hooks.attach(at, start_iteration)
+            if self.step_events is not None and at.optimizer is not None:   # its flush after param_updated
+                self.step_events.attach_optimizer(at.optimizer)
         except BaseException:   # a refused configuration leaves nothing attached and no files open
+            if self.step_events is not None:
+                self.step_events.remove()
             self.group.close()
             self.group = None
             raise
+        if self.step_events is not None and at.optimizer is None:
+            logger.info("mindmon: TrainerMon speed: the step's times start once the optimizer is given")
         self.hooks = hooks
 
-    def _build(self, config: TensorStatsConfig, watcher, later: Optional[TensorStatsConfig]) -> TensorStatsHooks:
+    def _timed(self, later: Optional[TensorStatsConfig]) -> bool:
+        """The `speed` block (mindmon's) is on: the step's events go to the speed monitor."""
+        speed = (later or self.config).speed
+        return speed is not None and speed.active
+
+    def _build(self, config: TensorStatsConfig, watcher, later: Optional[TensorStatsConfig],
+               timed: bool) -> TensorStatsHooks:
         """The group (built by the factory from the translated config: `later`'s, when it is given, which
-        asks for as much or more) and the feature's hooks, running `config` for now."""
+        asks for as much or more) and the feature's hooks, running `config` for now. `timed`: the step
+        events' hooks end every step (StepEvents), not the statistics' hooks at the collected ones."""
         from mindmon.factory import assemble
 
         outputs_for = later or config
         sections = {"tensor_stats": outputs_for, "alert": outputs_for.alert}
+        outputs = [s for s in [self.sink] if s is not None] + self.extra_sinks
+        if timed:   # the speed records: mindmon's JSONL, $MONITOR_OUTPUT_DIR/rank_<r>/metrics.jsonl
+            from mindmon.sinks.jsonl import JsonlSink
+
+            sections["speed"] = outputs_for.speed
+            outputs.append(JsonlSink(csv_output_root(), config_key="MONITOR_OUTPUT_DIR"))
         translated = MindmonConfig(MonitorConfig(output_dir=csv_output_root(), sections=sections))
-        run = assemble(translated, rank=self.rank, logger=logger, parameter_names=(),
-                       outputs=[s for s in [self.sink] if s is not None] + self.extra_sinks,
+        run = assemble(translated, model=self.model if timed else None,   # speed.flops counts the model's matmuls
+                       rank=self.rank, logger=logger, parameter_names=(), outputs=outputs,
                        data_parallel=DataParallel(), layout=self.pipeline)
         self.group = run.group
         return run.tensor_stats_hooks(config=config, run_folder=self.run_folder, watcher=watcher,
-                                      on_step_end=self.group.flush, params_have_main_grad=self.params_have_main_grad)
+                                      on_step_end=_ended if timed else self.group.flush,
+                                      params_have_main_grad=self.params_have_main_grad)
 
     def take_optimizer(self, optimizer, config: TensorStatsConfig) -> None:
         """An optimizer given after set_monitor, before training: the hooks attach to it, with `config`
         (the one given to set_monitor as `later`)."""
         hooks = self.hooks
-        at = attachment(self.model, hooks.at.grad_acc_steps, optimizer, hooks.at.dp_group, hooks.at.tp_group)
-        hooks.reattach(at, config)
+        if hooks is not None:
+            at = attachment(self.model, hooks.at.grad_acc_steps, optimizer, hooks.at.dp_group, hooks.at.tp_group)
+            hooks.reattach(at, config)
+            optimizer = at.optimizer
+        if self.step_events is not None:
+            self.step_events.attach_optimizer(optimizer)
 
     def reload_xy(self, xy_distribution: bool = False) -> None:
         """Switches activation collection on or off from the next hook call on (deprecated: dynamic on/off
@@ -223,8 +254,14 @@ class TrainerMon:
         """Detach every hook (the optimizer and the parameters are as before set_monitor); close the files."""
         if self.hooks is not None:
             self.hooks.detach()
+        if self.step_events is not None:
+            self.step_events.remove()
         if self.group is not None:
             self.group.close()
+
+
+def _ended(step: int) -> None:
+    """The statistics' step end when StepEvents flushes every step."""
 
 
 class MsprobeNamesCsvSink(MsprobeCsvSink):
