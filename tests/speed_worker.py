@@ -2,11 +2,12 @@
 Every rank's forward sleeps BASE seconds (a computing time that costs no CPU, so four ranks on two cores
 stay comparable); one rank's sleeps SLEEP more at chosen steps.
 
-    speed_worker.py OUTPUT_DIR STEPS SLOW_RANK SLOW_STEPS SLEEP [tp]
+    speed_worker.py OUTPUT_DIR STEPS SLOW_RANK SLOW_STEPS SLEEP [tp|pp]
 
-SLOW_RANK -1: a balanced run. SLOW_STEPS: comma-separated steps (or "-"). `tp`: a TP=2 x DP=2 layout
-(mindmon.parallel.megatron_layout; the model is replicated over the tensor-parallel pair, which trains on its
-replica's data), so the step's collectives are the data-parallel all-reduce and the tensor-parallel sums.
+SLOW_RANK -1: a balanced run. SLOW_STEPS: comma-separated steps (or "-"). `tp` (`pp`): a TP=2 x DP=2
+(PP=2 x DP=2) layout (mindmon.parallel.megatron_layout; the model is replicated over the model-parallel pair,
+which trains on its replica's data), so the step's collectives are the data-parallel all-reduce and the
+model-parallel sums.
 """
 import sys
 import time
@@ -16,7 +17,7 @@ BASE = 0.2
 SLOW_RANK_FACTOR = 2.0
 
 
-def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: float, tensor_parallel: bool) -> int:
+def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: float, model_parallel: str) -> int:
     import mindspore as ms
     import numpy as np
     from mindspore import Tensor, nn
@@ -34,10 +35,10 @@ def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: fl
     config = {"monitor": {"output_dir": output_dir, "train_state": {"local_loss": True},
                           "speed": {"enabled": True, "slow_rank_factor": SLOW_RANK_FACTOR}}}
     layout, replica = None, rank
-    if tensor_parallel:
+    if model_parallel:
         from mindmon.parallel import megatron_layout
 
-        layout = megatron_layout(tp=2)
+        layout = megatron_layout(**{model_parallel: 2})
         replica = layout.index("dp")
     group = build_group(parse_sections(config), model=model, parameter_names=[p.name for p in optimizer.parameters],
                         layout=layout)
@@ -64,4 +65,4 @@ def main(output_dir: str, steps: int, slow_rank: int, slow_steps: set, sleep: fl
 
 if __name__ == "__main__":
     chosen = set() if sys.argv[4] == "-" else {int(s) for s in sys.argv[4].split(",")}
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), chosen, float(sys.argv[5]), sys.argv[6:] == ["tp"]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), chosen, float(sys.argv[5]), "".join(sys.argv[6:7])))
