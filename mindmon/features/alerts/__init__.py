@@ -22,10 +22,6 @@ __all__ = ["AlertActions", "AlertConfig", "AlertSink", "Anomaly", "AnomalyNan", 
            "scalar_value", "tag_and_statistic", "FEATURE"]
 
 
-def _parse(path: str, value) -> "AlertConfig":
-    return None if value is None else AlertConfig.parse(path, value)
-
-
 def build(build, section: AlertConfig) -> None:
     """The alert sink (on every rank: each judges its own records) and its actions."""
     if not section.active:
@@ -47,5 +43,5 @@ def _monitored(config) -> list:
     return [name for name, section in sections if section is not None and getattr(section, "active", False)]
 
 
-FEATURE = Feature("alert", "monitor.alert", parse=_parse, build=build,
+FEATURE = Feature("alert", "monitor.alert", parse=AlertConfig.parse, build=build,
                   example={"monitor": {"alert": {"rules": [{"rule_name": "AnomalyNan"}], "dump": True}}})

@@ -10,10 +10,12 @@ Example:
         "inform": {"recipient": "database", "connection_str": "sqlite:///alerts.db"}})
     rules = config.build_rules()
 """
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from mindmon.config import ConfigError, check_bool, check_keys, is_int, type_error, value_error
+from mindmon.config import ConfigError, Section, check_keys, is_int, setting, type_error, value_error
+from mindmon.config.fields import boolean, custom, keys_of, parse_settings
 from mindmon.features.alerts.msprobe_rule import EmaTurbulence
 from mindmon.features.alerts.rules import RULES, AnomalyTurbulence, Rule
 
@@ -94,7 +96,8 @@ class RuleConfig:
     statistics: Optional[Tuple[str, ...]] = None
 
     @classmethod
-    def parse(cls, path: str, section: Any, dialect: str = "mindmon") -> "RuleConfig":
+    def parse(cls, path: str, section: Any, dialect: Optional[str] = "mindmon") -> "RuleConfig":
+        """One rule; with `dialect` None, AnomalyTurbulence's average is left for `in_dialect` to settle."""
         section = check_keys(path, section, ("rule_name", "args") + SELECTION_KEYS)
         name = section.get("rule_name")
         if name not in RULES:
@@ -108,11 +111,17 @@ class RuleConfig:
         if name == "LossSpike" and parsed.get("min_history", 5) > parsed.get("window", 10):
             raise value_error(f"{path}.args.min_history", parsed.get("min_history", 5),
                                f"at most window ({parsed.get('window', 10)})")
-        if name == "AnomalyTurbulence":
+        if name == "AnomalyTurbulence" and dialect is not None:
             parsed = _turbulence_args(path, parsed, dialect)
         selection = {key: _names(f"{path}.{key}", section[key]) for key in SELECTION_KEYS
                      if section.get(key) is not None}
         return cls(name, parsed, **selection)
+
+    def in_dialect(self, path: str, dialect: str) -> "RuleConfig":
+        """The rule with the dialect's defaults (AnomalyTurbulence's average) made explicit."""
+        if self.rule_name != "AnomalyTurbulence":
+            return self
+        return dataclasses.replace(self, args=_turbulence_args(path, self.args, dialect))
 
     def build(self) -> Rule:
         args = dict(self.args)
@@ -126,23 +135,47 @@ class RuleConfig:
         return out
 
 
-def _rules(path: str, value: Any, dialect: str) -> Tuple[RuleConfig, ...]:
+def _rules(path: str, value: Any) -> Tuple[RuleConfig, ...]:
     if not isinstance(value, list) or not value:
         raise type_error(path, value, 'a non-empty list of {"rule_name": ..., "args": {...}}')
-    return tuple(RuleConfig.parse(f"{path}[{i}]", rule, dialect) for i, rule in enumerate(value))
+    return tuple(RuleConfig.parse(f"{path}[{i}]", rule, dialect=None) for i, rule in enumerate(value))
+
+
+def _inform(path: str, value: Any) -> tuple:
+    from mindmon.features.alerts.inform import parse_inform
+
+    return parse_inform(path, value)
+
+
+def _inform_yaml(inform: tuple) -> Any:
+    """One recipient as a mapping, several as a list, none as None; passwords shown as `***`."""
+    items = [item.to_dict() for item in inform]
+    return (items[0] if len(items) == 1 else items) or None
 
 
 @dataclass(frozen=True)
-class AlertConfig:
-    rules: Tuple[RuleConfig, ...] = ()
-    dump: bool = False
-    inform: Tuple[Any, ...] = ()            # DatabaseInform / EmailInform, from `inform`
-    stop_on_anomaly: bool = False
-    skip_nonfinite_update: bool = False
+class AlertConfig(Section):
+    rules: Tuple[RuleConfig, ...] = setting((), custom("list of rules", _rules),
+                                            shown_default="required (when the section is given)")
+    """Evaluated in order for every value; the first that fires is reported."""
+
+    dump: bool = setting(False, boolean())
+    """Write `<output>/anomaly_detected/rank<r>/anomaly.json`."""
+
+    inform: Tuple[Any, ...] = setting((), custom("mapping, list of mappings, or absent", _inform),
+                                      shown_default="absent (no delivery)", dump=_inform_yaml)
+    """Where anomalies and run events are delivered; kj600 takes one mapping, mindmon also a list (a
+    database, an e-mail, webhooks)."""
+
+    stop_on_anomaly: bool = setting(False, boolean())
+    """mindmon: ask the training loop to stop after the step that produced an anomaly."""
+
+    skip_nonfinite_update: bool = setting(False, boolean())
+    """mindmon: ask the training loop to skip the optimizer update when the global gradient norm is not
+    finite."""
+
     path: str = "monitor.alert"             # where it was read, for the errors found when it is built
     dialect: str = "mindmon"                # "msprobe": from msprobe's or kj600's config.json
-
-    KEYS = ("rules", "dump", "inform", "stop_on_anomaly", "skip_nonfinite_update")
 
     @property
     def active(self) -> bool:
@@ -155,26 +188,19 @@ class AlertConfig:
         return 0 if self.dialect == "msprobe" else 1
 
     @classmethod
-    def parse(cls, path_prefix: str, section: Any, dialect: str = "mindmon") -> "AlertConfig":
-        from mindmon.features.alerts.inform import parse_inform
-
-        section = check_keys(path_prefix, section, cls.KEYS)
+    def parse(cls, path: str, raw: Any, dialect: str = "mindmon") -> Optional["AlertConfig"]:
+        """None when absent; `{}` is the block with no rule (off)."""
+        if raw is None:
+            return None
+        section = check_keys(path, raw, keys_of(cls))
         if not section:
-            return cls(path=path_prefix, dialect=dialect)
+            return cls(path=path, dialect=dialect)
         if "rules" not in section:
-            raise ConfigError(f"{path_prefix}.rules: missing; allowed: a non-empty list of rules "
+            raise ConfigError(f"{path}.rules: missing; allowed: a non-empty list of rules "
                               f"(rule_name one of {sorted(RULES)})")
-        flags = {key: check_bool(f"{path_prefix}.{key}", section[key])
-                 for key in ("dump", "stop_on_anomaly", "skip_nonfinite_update") if key in section}
-        return cls(rules=_rules(f"{path_prefix}.rules", section["rules"], dialect),
-                   inform=parse_inform(f"{path_prefix}.inform", section.get("inform")), path=path_prefix, dialect=dialect, **flags)
+        values = parse_settings(cls, path, section)
+        values["rules"] = tuple(rule.in_dialect(f"{path}.rules[{i}]", dialect) for i, rule in enumerate(values["rules"]))
+        return cls(**values, path=path, dialect=dialect)
 
     def build_rules(self) -> List[Rule]:
         return [rule.build() for rule in self.rules]
-
-    def to_dict(self) -> dict:
-        """The section with defaults filled in; passwords shown as `***`."""
-        inform = [item.to_dict() for item in self.inform]
-        return {"rules": [rule.to_dict() for rule in self.rules], "dump": self.dump,
-                "inform": (inform[0] if len(inform) == 1 else inform) or None,
-                "stop_on_anomaly": self.stop_on_anomaly, "skip_nonfinite_update": self.skip_nonfinite_update}

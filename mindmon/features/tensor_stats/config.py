@@ -293,7 +293,7 @@ def _alert(path: str, section: Any):
     alert_path = key_path(path, "alert")
     if isinstance(section, dict) and section.get("rules") == []:
         # msprobe loads an empty rule list as "no alerts"; the block's other keys are still checked
-        rest = check_keys(alert_path, section, AlertConfig.KEYS)
+        rest = check_keys(alert_path, section, keys_of(AlertConfig))
         for flag in ("dump", "stop_on_anomaly", "skip_nonfinite_update"):
             if flag in rest:
                 check_bool(f"{alert_path}.{flag}", rest[flag])
