@@ -9,7 +9,8 @@ import pytest
 
 from conftest import make_model
 from mindmon.events import GradientsReduced, ReduceBegin
-from mindmon.config import check_bool, check_keys
+from mindmon.config import Section, setting
+from mindmon.config.fields import boolean
 from mindmon.engine import Feature, Monitor, RunInfo, Sink, SinkClosedError
 from mindmon.factory import build, build_callbacks, group_of
 from mindmon.features import FEATURES, parse_sections, section_of
@@ -105,20 +106,13 @@ def test_a_failing_monitor_is_dropped_and_the_others_go_on(feature, tmp_path, ca
 # --- a toy capability, added as docs/architecture.md shows: one folder's worth of code, one registry line ---
 
 @dataclass(frozen=True)
-class ReduceWaitConfig:
-    enabled: bool = False
+class ReduceWaitConfig(Section):
+    enabled: bool = setting(False, boolean())
+    """Per step: how long the gradients waited in the data-parallel collective."""
 
     @property
     def active(self) -> bool:
         return self.enabled
-
-    @classmethod
-    def parse(cls, path, section):
-        section = check_keys(path, section, ("enabled",))
-        return cls(check_bool(f"{path}.enabled", section.get("enabled", False)))
-
-    def to_dict(self) -> dict:
-        return {"enabled": self.enabled}
 
 
 class ReduceWaitMonitor(Monitor):
