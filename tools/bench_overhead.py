@@ -242,7 +242,6 @@ class Configuration:
         from mindmon import AccumulatingTrainStep
 
         self.name, self.work, self.max_logits, self.read_loss = name, work, max_logits, read_loss
-        self.on_host = on_host
         self.group = None
         if monitor is not None or max_logits:
             group = _build_group(name, work, out_dir, monitor, max_logits, host_sync_norms, on_host)
