@@ -48,10 +48,7 @@ class ShardedNorms:
 
     def current(self, num_micro_steps: int, squared: Dict[Hashable, np.ndarray], micro_steps: Sequence[int],
                 with_micro: bool) -> np.ndarray:
-        """The payload to sum: this rank's weighted squared norms, or the sums received so far (a second
-        axis sums what the first one summed)."""
-        if self._summed is not None:
-            return self._summed.reshape(-1)
+        """The payload to sum over tp and cp: this rank's weighted squared norms."""
         matrix = np.zeros((2 * num_micro_steps + 1, self.weights.size))
         for k in micro_steps:
             if 0 <= k < num_micro_steps:
