@@ -115,3 +115,36 @@ def test_the_yaml_route_refuses_the_config_json_speed_block():
     with pytest.raises(ConfigError, match=r"^monitor\.tensor_stats\.speed: a block of TrainerMon's config\.json; "
                                           r"allowed here: monitor\.speed"):
         parse_tensor_stats({"speed": {"enabled": True}}, "monitor.tensor_stats")
+
+
+def test_kj600_recipe_gets_every_step_once_the_optimizer_is_given(tmp_path, monkeypatch):
+    """kj600's README order: hook_modules, then set_wrapped_optimizer; the speed block times every step from
+    there, its throughput the tokens fed."""
+    from mindmon.kj600.module_hook import TrainerMon as Kj600TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setenv("KJ600_OUTPUT_DIR", str(tmp_path / "kj600"))
+    path = tmp_path / "kj600.json"
+    path.write_text(json.dumps({"speed": {"enabled": True}, "wg_distribution": True, "ops": ["norm"]}))
+    ms.set_seed(0)
+    model = TokenModel()
+    model.set_train(True)
+    optimizer = nn.SGD(model.trainable_params(), learning_rate=0.1)
+    monitor = Kj600TrainerMon(str(path), params_have_main_grad=False)
+    monitor.hook_modules(model, K)
+    Kj600TrainerMon.set_wrapped_optimizer(optimizer)
+    grad_fn = value_and_grad(lambda ids: (model(ids) ** 2).mean() / K, None, optimizer.parameters)
+    rng = np.random.default_rng(4)
+    for _ in range(STEPS):
+        summed = None
+        for _ in range(K):
+            _, grads = grad_fn(ms.Tensor(rng.integers(0, VOCAB, (BATCH, SEQ)), ms.int32))
+            summed = grads if summed is None else tuple(a + b for a, b in zip(summed, grads))
+        optimizer(summed)
+    monitor.close()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rank_0" / "metrics.jsonl").read_text().splitlines()]
+    value = {(r["step"], r["name"]): r["value"] for r in rows if r["kind"] in ("step_time", "throughput")
+             and r["micro_step"] is None}
+    assert sorted(step for step, name in value if name == "step") == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert value[(step, "tokens_per_second")] == pytest.approx(K * BATCH * SEQ / value[(step, "step")], rel=1e-12)
