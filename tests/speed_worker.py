@@ -2,12 +2,12 @@
 Every rank's forward sleeps BASE seconds (a computing time that costs no CPU, so four ranks on two cores
 stay comparable); one rank's sleeps SLEEP more at chosen steps.
 
-    speed_worker.py OUTPUT_DIR STEPS SLOW_RANK SLOW_STEPS SLEEP [tp|pp]
+    speed_worker.py OUTPUT_DIR STEPS SLOW_RANK SLOW_STEPS SLEEP [tp|pp|ep]
 
 SLOW_RANK -1: a balanced run. SLOW_STEPS: comma-separated steps (or "-"). `tp` (`pp`): a TP=2 x DP=2
 (PP=2 x DP=2) layout (mindmon.parallel.megatron_layout; the model is replicated over the model-parallel pair,
 which trains on its replica's data), so the step's collectives are the data-parallel all-reduce and the
-model-parallel sums.
+model-parallel sums; `ep`: EP=2 carved out of DP=4 (the model has no experts: every parameter is a copy).
 """
 import sys
 import time

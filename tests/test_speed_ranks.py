@@ -59,12 +59,13 @@ def test_rank_0s_cross_rank_figures_equal_numpy_over_the_ranks_own_records(slowe
     _assert_spread_is_numpys(slowed, STEPS)
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp"])
+@pytest.mark.parametrize("axis", ["tp", "pp", "ep"])
 def test_under_model_parallelism_the_spread_covers_every_rank_of_the_job(tmp_path_factory, axis):
     """TP=2 x DP=2 (Megatron's order: ranks 0, 1 are replica 0's tensor-parallel pair), and PP=2 x DP=2
     (ranks 0, 1 stage 0): the rows ride in the data-parallel all-reduce and then the model-parallel sums, so
     rank 0's figures are over all four ranks, its model-parallel peers included, and the extremes' ranks
-    are world ranks."""
+    are world ranks. EP=2 inside DP=4: the expert-parallel groups lie inside the data-parallel one, whose
+    all-reduce already holds every row (a second sum over them would double each row)."""
     runs = _run(tmp_path_factory.mktemp(f"speed_{axis}"), 3, (2,), 4, layout=(axis,))
     _assert_spread_is_numpys(runs, 4)
     assert _slow_ranks(runs[0]) == [(2, "rank 3")]   # not in rank 0's data-parallel group
