@@ -148,3 +148,27 @@ def test_kj600_recipe_gets_every_step_once_the_optimizer_is_given(tmp_path, monk
     assert sorted(step for step, name in value if name == "step") == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert value[(step, "tokens_per_second")] == pytest.approx(K * BATCH * SEQ / value[(step, "step")], rel=1e-12)
+
+
+def test_kj600_without_an_optimizer_still_writes_its_statistics(tmp_path, monkeypatch):
+    """The speed block waits for an optimizer that never comes; the gradient statistics of every step (a step
+    being K forwards) are still written."""
+    from mindmon.kj600.module_hook import TrainerMon as Kj600TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setenv("KJ600_OUTPUT_DIR", str(tmp_path / "kj600"))
+    path = tmp_path / "kj600.json"
+    path.write_text(json.dumps({"speed": {"enabled": True}, "wg_distribution": True, "ops": ["norm"]}))
+    ms.set_seed(0)
+    model = TokenModel()
+    model.set_train(True)
+    monitor = Kj600TrainerMon(str(path), params_have_main_grad=False)
+    monitor.hook_modules(model, K)
+    grad_fn = value_and_grad(lambda ids: (model(ids) ** 2).mean() / K, None, model.trainable_params())
+    rng = np.random.default_rng(5)
+    for _ in range(STEPS * K):
+        grad_fn(ms.Tensor(rng.integers(0, VOCAB, (BATCH, SEQ)), ms.int32))
+    monitor.close()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rank_0" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows if r["kind"] == "grad_unreduced"} == set(range(1, STEPS + 1))
+    assert not [r for r in rows if r["kind"] == "step_time"]

@@ -193,8 +193,14 @@ class TrainerMon:
                        data_parallel=DataParallel(), layout=self.pipeline)
         self.group = run.group
         return run.tensor_stats_hooks(config=config, run_folder=self.run_folder, watcher=watcher,
-                                      on_step_end=_ended if timed else self.group.flush,
+                                      on_step_end=self._statistics_step_end if timed else self.group.flush,
                                       params_have_main_grad=self.params_have_main_grad)
+
+    def _statistics_step_end(self, step: int) -> None:
+        """With the speed block the step events flush every step once they have the optimizer; before that
+        (kj600's hook_modules without one) the statistics' step end still does."""
+        if self.step_events is None or not self.step_events.has_optimizer:
+            self.group.flush(step)
 
     def take_optimizer(self, optimizer, config: TensorStatsConfig) -> None:
         """An optimizer given after set_monitor, before training: the hooks attach to it, with `config`
@@ -258,10 +264,6 @@ class TrainerMon:
             self.step_events.remove()
         if self.group is not None:
             self.group.close()
-
-
-def _ended(step: int) -> None:
-    """The statistics' step end when StepEvents flushes every step."""
 
 
 class MsprobeNamesCsvSink(MsprobeCsvSink):
