@@ -66,9 +66,9 @@ def count_kernel_launches() -> Iterator[KernelLaunches]:
     folder = tempfile.mkdtemp(prefix="mindmon-kernels-")
     try:
         _wait_for_queued_kernels()
+        # recording from here (`start_profile` is on): no analysis, only the raw files read below
         profiler = ms.profiler.profile(activities=[ProfilerActivity.CPU], on_trace_ready=(
             ms.profiler.tensorboard_trace_handler(folder, analyse_flag=False)))
-        profiler.start()
         try:
             yield launched
             _wait_for_queued_kernels()
