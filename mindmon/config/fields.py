@@ -122,8 +122,8 @@ def section_dict(section: Any) -> dict:
 class Section:
     """The base of a section written with `setting` fields: one `parse(path, raw)` and a `to_dict()`."""
 
-    # Keys the section accepts that other parsers read (a block such as msprobe's `alert`): their rows in
-    # the reference are written by hand, after the generated ones.
+    # Keys documented by hand after the generated rows: a block another parser reads (msprobe's `alert`),
+    # a top-level key read with the section.
     OTHER_KEYS: ClassVar[Tuple[str, ...]] = ()
 
     @classmethod

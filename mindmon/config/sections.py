@@ -169,7 +169,9 @@ class MonitorConfig(_Sections):
         return cls(**parse_settings(cls, path, section), sections=sections)
 
     def to_dict(self) -> dict:
-        return {**section_dict(self), **self.section_dicts()}
+        own = section_dict(self)
+        first = {key: own.pop(key) for key in ("output_dir", "tensorboard", "tensorboard_tags")}  # the two together
+        return {**first, **own, **self.section_dicts()}
 
 
 @dataclass(frozen=True)

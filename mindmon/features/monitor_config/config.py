@@ -19,19 +19,18 @@ Example:
     config.formats["local_norm"]   # frozenset({"log"})
 """
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
-from mindmon.config import ConfigError, ParamFilter, check_bool, check_positive_number, check_keys, is_int, type_error, value_error
+from mindmon.config import (ConfigError, ParamFilter, Section, check_bool, check_keys, check_positive_number, setting,
+                            type_error, value_error)
+from mindmon.config.fields import (Check, boolean, custom, keys_of, nested, parse_settings, positive_int, positive_number,
+                                   section_dict)
 
 FORMATS = ("log", "tensorboard")
 # `<metric>_format` keys, by the metric's short name.
 FORMAT_KEYS = ("local_loss", "local_norm", "device_local_norm", "device_local_loss", "optimizer_state",
                "weight_state", "max_attention_logit")
-KEYS = ("monitor_on", "dump_path", "target", "invert", "step_interval", *(f"{k}_format" for k in FORMAT_KEYS),
-        "throughput_baseline", "print_struct", "check_for_global_norm", "global_norm_spike_threshold",
-        "global_norm_spike_count_threshold", "stable_rank_config", "health_checkpoint")
-STABLE_RANK_KEYS = ("format", "step_interval", "target", "do_aggregation", "moe_show_mode", "power_iteration_num")
 MOE_SHOW_MODES = ("all", "full", "statistics", "none")
 TRAIN_STATE_METRICS = ("local_loss", "local_norm", "device_local_loss")
 
@@ -64,14 +63,6 @@ def _patterns(path: str, value: Any) -> Tuple[str, ...]:
     return tuple(value)
 
 
-def _positive_int(path: str, value: Any) -> int:
-    if not is_int(value):
-        raise type_error(path, value, "a positive int")
-    if value <= 0:
-        raise value_error(path, value, "a positive int")
-    return value
-
-
 @dataclass(frozen=True)
 class RegexFilter(ParamFilter):
     """A `ParamFilter` (what monitor.train_state's monitor takes) selecting by MindFormers' rule: a name
@@ -92,56 +83,153 @@ class RegexFilter(ParamFilter):
         return {"regex": list(self.patterns), "invert": self.invert} if self.on else False
 
 
-@dataclass(frozen=True)
-class StableRankSection:
-    formats: FrozenSet[str] = frozenset()
-    step_interval: int = 100
-    target: Tuple[str, ...] = (".*",)
-    do_aggregation: bool = False
-    moe_show_mode: str = "all"
-    power_iteration_num: int = 5
+FORMATS_KIND = "`log`, `tensorboard`, a list of them, or None (off)"
 
-    @classmethod
-    def parse(cls, path: str, section: Any) -> "StableRankSection":
-        section = check_keys(path, section, STABLE_RANK_KEYS)
-        out = {"formats": _formats(f"{path}.format", section.get("format")),
-               "target": _patterns(f"{path}.target", section.get("target"))}
-        for key in ("step_interval", "power_iteration_num"):
-            if section.get(key) is not None:
-                out[key] = _positive_int(f"{path}.{key}", section[key])
-        if section.get("do_aggregation") is not None:
-            out["do_aggregation"] = check_bool(f"{path}.do_aggregation", section["do_aggregation"])
-        mode = section.get("moe_show_mode")
-        if mode is not None:
-            if mode not in MOE_SHOW_MODES:
-                raise value_error(f"{path}.moe_show_mode", mode, f"one of {list(MOE_SHOW_MODES)}")
-            out["moe_show_mode"] = mode
-        return cls(**out)
+
+def _dump_path(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise type_error(path, value, "a non-empty directory path")
+    return value
+
+
+def _moe_show_mode(path: str, value: Any) -> str:
+    if value not in MOE_SHOW_MODES:
+        raise value_error(path, value, f"one of {list(MOE_SHOW_MODES)}")
+    return value
+
+
+def _health_checkpoint(path: str, value: Any) -> Optional[dict]:
+    """MindFormers: a `health_checkpoint` with `global_norm_spike_threshold` sets that threshold and
+    switches the spike check on when it is non-zero (MonitorConfigSection.parse applies it)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise type_error(path, value, "None or a mapping with global_norm_spike_threshold")
+    threshold = value.get("global_norm_spike_threshold")
+    if threshold is not None and threshold != 0:
+        check_positive_number(f"{path}.global_norm_spike_threshold", threshold,
+                              "0/None (check off) or a finite number > 0")
+    return dict(value)
+
+
+def _format_setting() -> Any:
+    return setting(frozenset(), custom(FORMATS_KIND, _formats), shown_default="off")
+
+
+def _given(default: Any, check: Check, **options) -> Any:
+    """A MindFormers key: `key: null` keeps the default, as its config templates read it."""
+    return setting(default, check, null_is_default=True, **options)
+
+
+@dataclass(frozen=True)
+class StableRankSection(Section):
+    formats: FrozenSet[str] = setting(frozenset(), custom(FORMATS_KIND, _formats), key="format", shown_default="off")
+    """Stable rank and largest eigenvalue of the selected weights."""
+
+    step_interval: int = _given(100, positive_int())
+    """Every N steps."""
+
+    target: Tuple[str, ...] = setting((".*",), custom("list of regular expressions", _patterns), shown_default="all")
+    """Regular expressions over parameter names (not inverted by `invert`)."""
+
+    do_aggregation: bool = _given(False, boolean())
+    """Accepted; mindmon runs data parallelism only, so every rank holds whole weights and there is nothing
+    to aggregate."""
+
+    moe_show_mode: str = _given("all", custom(" or ".join(f"`{m}`" for m in MOE_SHOW_MODES), _moe_show_mode))
+    """For a 3-D weight (one matrix per expert): `full` one value per expert, `statistics` their max/min/mean,
+    `all` both, `none` neither."""
+
+    power_iteration_num: int = _given(5, positive_int())
+    """Power iterations per collection."""
 
     def selects(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.target)
 
 
 @dataclass(frozen=True)
-class MonitorConfigSection:
+class MonitorConfigSection(Section):
     """The parsed `monitor_config` section plus the top-level NaN check."""
 
-    monitor_on: bool = False
-    dump_path: str = "./dump"
-    target: Tuple[str, ...] = (".*",)
-    invert: bool = False
-    step_interval: int = 1
-    formats: Dict[str, FrozenSet[str]] = field(default_factory=dict)
-    throughput_baseline: Optional[float] = None
-    print_struct: bool = False
-    check_for_global_norm: bool = False
-    global_norm_spike_threshold: float = 3.0
-    global_norm_spike_count_threshold: int = 10
-    stable_rank: StableRankSection = StableRankSection()
-    health_checkpoint: Optional[dict] = None
-    check_for_nan_in_loss_and_grad: bool = False
+    monitor_on: bool = _given(False, boolean())
+    """Switches the section on."""
+
+    dump_path: str = _given("./dump", custom("str", _dump_path))
+    """Accepted and validated (a non-empty path); unused: graph mode dumps tensors to files there, mindmon
+    reads them in memory."""
+
+    target: Tuple[str, ...] = setting((".*",), custom("list of regular expressions", _patterns),
+                                      shown_default="all (`['.*']`)")
+    """Regular expressions; a parameter is selected when one is found in its name (`re.search`). Selects the
+    parameters of `local_norm` and `optimizer_state`."""
+
+    invert: bool = _given(False, boolean())
+    """Select the parameters `target` does not match."""
+
+    step_interval: int = _given(1, positive_int())
+    """`optimizer_state`, `weight_state`, `throughput_baseline` and the max attention logit are written every
+    N steps."""
+
+    local_loss_format: FrozenSet[str] = _format_setting()
+    """Loss of each micro-batch."""
+
+    local_norm_format: FrozenSet[str] = _format_setting()
+    """Per selected parameter and micro-step, the increment of the accumulated-gradient norm
+    (docs/semantics.md `local_norm`)."""
+
+    device_local_norm_format: FrozenSet[str] = _format_setting()
+    """The global gradient norm before clipping (the one the training step computes anyway)."""
+
+    device_local_loss_format: FrozenSet[str] = _format_setting()
+    """The step's loss: mean of its micro-batch losses (over the ranks too)."""
+
+    optimizer_state_format: FrozenSet[str] = _format_setting()
+    """L2 norms of Adam's first and second moments of each selected parameter (with a model-parallel layout:
+    of the full parameter's, written by the first tensor-parallel rank)."""
+
+    weight_state_format: FrozenSet[str] = _format_setting()
+    """L2 norm of all trainable parameters together (with a model-parallel layout: of the whole model, every
+    shard of every stage once; docs/model-parallel.md)."""
+
+    max_attention_logit_format: FrozenSet[str] = _format_setting()
+    """The max attention logit per layer and head, their mean and max (a `MaxLogitsMonitor` every
+    `step_interval` steps is added unless `callbacks:` declares one, whose interval then counts)."""
+
+    throughput_baseline: Optional[float] = _given(None, positive_number(
+        "None (off) or a finite number > 0 (samples/s per device)"), shown_default="off (`None`)")
+    """A number > 0: throughput linearity, written to the log and TensorBoard every `step_interval` steps."""
+
+    print_struct: bool = _given(False, boolean())
+    """The first step's update is skipped, every trainable parameter name is logged, training stops after
+    step 1."""
+
+    check_for_global_norm: bool = _given(False, boolean())
+    """The global-norm spike check (below)."""
+
+    global_norm_spike_threshold: float = _given(3.0, positive_number())
+    """A step whose global norm is >= this is a spike."""
+
+    global_norm_spike_count_threshold: int = _given(10, positive_int())
+    """Consecutive spikes that stop training."""
+
+    stable_rank: StableRankSection = setting(StableRankSection(), nested(StableRankSection),
+                                             key="stable_rank_config")
+
+    health_checkpoint: Optional[dict] = setting(None, custom("mapping", _health_checkpoint))
+    """A mapping; its `global_norm_spike_threshold` replaces the one above and, when non-zero, switches the
+    spike check on (as MindFormers does)."""
+
+    check_for_nan_in_loss_and_grad: bool = False   # the top-level key, read next to the section
     # metrics whose `tensorboard` format fell back to `log` (no TensorBoard directory configured)
     tensorboard_fallback: Tuple[str, ...] = ()
+
+    # Documented by hand next to the section's rows: a top-level key read with it.
+    OTHER_KEYS = ("check_for_nan_in_loss_and_grad",)
+
+    @property
+    def formats(self) -> Dict[str, FrozenSet[str]]:
+        """Where each metric goes, by its short name (FORMAT_KEYS)."""
+        return {k: getattr(self, f"{k}_format") for k in FORMAT_KEYS}
 
     def format(self, metric: str) -> FrozenSet[str]:
         """Where a metric goes ({} = off); everything is off unless monitor_on."""
@@ -165,63 +253,27 @@ class MonitorConfigSection:
         return RegexFilter(patterns=self.target, invert=self.invert, on=bool(self.format("local_norm")))
 
     @classmethod
-    def parse(cls, path: str, section: Any, check_nan: Any = None) -> "MonitorConfigSection":
-        section = check_keys(path, section, KEYS)
-        out: Dict[str, Any] = {"formats": {k: _formats(f"{path}.{k}_format", section.get(f"{k}_format"))
-                                           for k in FORMAT_KEYS},
-                               "target": _patterns(f"{path}.target", section.get("target"))}
-        for key in ("monitor_on", "invert", "print_struct", "check_for_global_norm"):
-            if section.get(key) is not None:
-                out[key] = check_bool(f"{path}.{key}", section[key])
-        if section.get("dump_path") is not None:
-            if not isinstance(section["dump_path"], str) or not section["dump_path"]:
-                raise type_error(f"{path}.dump_path", section["dump_path"], "a non-empty directory path")
-            out["dump_path"] = section["dump_path"]
-        for key in ("step_interval", "global_norm_spike_count_threshold"):
-            if section.get(key) is not None:
-                out[key] = _positive_int(f"{path}.{key}", section[key])
-        if section.get("throughput_baseline") is not None:
-            out["throughput_baseline"] = check_positive_number(f"{path}.throughput_baseline", section["throughput_baseline"],
-                                                          "None (off) or a finite number > 0 (samples/s per device)")
-        if section.get("global_norm_spike_threshold") is not None:
-            out["global_norm_spike_threshold"] = check_positive_number(f"{path}.global_norm_spike_threshold",
-                                                                  section["global_norm_spike_threshold"])
-        out.update(_health_checkpoint(f"{path}.health_checkpoint", section.get("health_checkpoint")))
-        out["stable_rank"] = StableRankSection.parse(f"{path}.stable_rank_config", section.get("stable_rank_config"))
+    def parse(cls, path: str, raw: Any, check_nan: Any = None) -> "MonitorConfigSection":
+        """The section, and `check_nan`: the top-level `check_for_nan_in_loss_and_grad` (None: absent)."""
+        values = parse_settings(cls, path, check_keys(path, raw, KEYS))
+        threshold = (values.get("health_checkpoint") or {}).get("global_norm_spike_threshold")
+        if values.get("health_checkpoint") is not None:
+            values["check_for_global_norm"] = threshold not in (None, 0)
+            if values["check_for_global_norm"]:
+                values["global_norm_spike_threshold"] = float(threshold)
         if check_nan is not None:
-            out["check_for_nan_in_loss_and_grad"] = check_bool("check_for_nan_in_loss_and_grad", check_nan)
-        return cls(**out)
+            values["check_for_nan_in_loss_and_grad"] = check_bool("check_for_nan_in_loss_and_grad", check_nan)
+        return cls(**values)
 
     def to_dict(self) -> dict:
-        sr = self.stable_rank
-        return {"monitor_on": self.monitor_on, "dump_path": self.dump_path, "target": list(self.target),
-                "invert": self.invert, "step_interval": self.step_interval,
-                **{f"{k}_format": sorted(self.formats.get(k, ())) or None for k in FORMAT_KEYS},
-                "throughput_baseline": self.throughput_baseline, "print_struct": self.print_struct,
-                "check_for_global_norm": self.check_for_global_norm,
-                "global_norm_spike_threshold": self.global_norm_spike_threshold,
-                "global_norm_spike_count_threshold": self.global_norm_spike_count_threshold,
-                "stable_rank_config": {"format": sorted(sr.formats) or None, "step_interval": sr.step_interval,
-                                       "target": list(sr.target), "do_aggregation": sr.do_aggregation,
-                                       "moe_show_mode": sr.moe_show_mode,
-                                       "power_iteration_num": sr.power_iteration_num},
-                "health_checkpoint": self.health_checkpoint,
-                "check_for_nan_in_loss_and_grad": self.check_for_nan_in_loss_and_grad}
+        out = section_dict(self)
+        for key in FORMAT_KEYS:
+            out[f"{key}_format"] = out[f"{key}_format"] or None
+        out["stable_rank_config"]["format"] = out["stable_rank_config"]["format"] or None
+        return {**out, "check_for_nan_in_loss_and_grad": self.check_for_nan_in_loss_and_grad}
 
 
-def _health_checkpoint(path: str, value: Any) -> dict:
-    """MindFormers: a `health_checkpoint` with `global_norm_spike_threshold` sets that threshold and
-    switches the spike check on when it is non-zero."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise type_error(path, value, "None or a mapping with global_norm_spike_threshold")
-    threshold = value.get("global_norm_spike_threshold")
-    if threshold is None or threshold == 0:
-        return {"health_checkpoint": dict(value), "check_for_global_norm": False}
-    threshold = check_positive_number(f"{path}.global_norm_spike_threshold", threshold,
-                                 "0/None (check off) or a finite number > 0")
-    return {"health_checkpoint": dict(value), "check_for_global_norm": True, "global_norm_spike_threshold": threshold}
+KEYS = keys_of(MonitorConfigSection)
 
 
 def _train_state(section: MonitorConfigSection, current):
@@ -267,13 +319,14 @@ def _without_tensorboard(section: MonitorConfigSection) -> MonitorConfigSection:
     """MindFormers: with no TensorBoard configured, a `tensorboard` format falls back to `log`."""
     import dataclasses
 
-    formats = {k: (v - {"tensorboard"}) | {"log"} if "tensorboard" in v else v for k, v in section.formats.items()}
+    formats = {f"{k}_format": (v - {"tensorboard"}) | {"log"} if "tensorboard" in v else v
+               for k, v in section.formats.items()}
     fallback = [f"{k}_format" for k in FORMAT_KEYS if "tensorboard" in section.format(k)]
     stable = section.stable_rank
     if "tensorboard" in stable.formats:
         stable = dataclasses.replace(stable, formats=(stable.formats - {"tensorboard"}) | {"log"})
         fallback.append("stable_rank_config.format")
-    return dataclasses.replace(section, formats=formats, stable_rank=stable, tensorboard_fallback=tuple(fallback))
+    return dataclasses.replace(section, **formats, stable_rank=stable, tensorboard_fallback=tuple(fallback))
 
 
 def apply_monitor_config(raw: dict, config):
