@@ -1,6 +1,6 @@
 """Sections written once: a section is a frozen dataclass whose fields carry their check, their default and
-a docstring (the string literal right after the field); parsing, `to_dict()` and the key tables of
-docs/configuration.md (tools/config_reference.py) all follow from it.
+a docstring (the string literal right after the field); parsing, `to_dict()` and the key tables of the
+docs (tools/config_reference.py) all follow from it.
 
 Example:
     @dataclass(frozen=True)
@@ -48,13 +48,11 @@ class Setting:
 
 def setting(default: Any = dataclasses.MISSING, check: Optional[Check] = None, *, key: Optional[str] = None,
             null_is_default: bool = False, shown_default: Optional[str] = None,
-            dump: Optional[Callable[[Any], Any]] = None, default_factory: Any = dataclasses.MISSING):
+            dump: Optional[Callable[[Any], Any]] = None):
     """A section's field read from its YAML key with `check`; without a default the key is required (its
     absence is checked as the value None, so the error names the key)."""
-    meta = {"setting": Setting(check, key, null_is_default, shown_default, dump)}
-    if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default,
+                             metadata={"setting": Setting(check, key, null_is_default, shown_default, dump)})
 
 
 def settings(cls: type) -> Iterator[Tuple[dataclasses.Field, Setting]]:
