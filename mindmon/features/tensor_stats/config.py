@@ -13,14 +13,18 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from mindmon.config import (ConfigError, ConfigTypeError, Section, check_bool, check_keys, describe, is_int, key_path,
                             setting, type_error, value_error)
 from mindmon.config.fields import boolean, custom, integer, keys_of, parse_settings, positive_number
 from mindmon.formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT
 from mindmon.features.tensor_stats.points import OPS
-from mindmon.features.l2.config import CC_KEY, L2_KEYS, parse_cc, parse_l2
+from mindmon.features.l2.config import CC_KEY, L2_KEYS, CcConfig, L2Config, parse_cc, parse_l2
+
+if TYPE_CHECKING:   # imported where parsed: the alert block pulls in its rules, speed its own section
+    from mindmon.features.alerts.config import AlertConfig
+    from mindmon.features.speed.config import SpeedConfig
 
 logger = logging.getLogger("mindmon")
 
@@ -162,8 +166,8 @@ class TensorStatsConfig(Section):
     """mindmon only: `ndigits` counts significant digits instead of decimal places, so values like
     `exp_avg_sq` (1e-10) are not rounded to `0.0`."""
 
-    alert: Any = None                       # mindmon.features.alerts.config.AlertConfig of the `alert` block
-    speed: Any = None                       # mindmon only: the `speed` block, a SpeedConfig (TrainerMon's timing)
+    alert: Optional["AlertConfig"] = None   # the `alert` block (msprobe's dialect)
+    speed: Optional["SpeedConfig"] = None   # mindmon only: the `speed` block (TrainerMon's timing)
 
     xy_distribution: bool = setting(False, boolean())
     """`actv` / `actv_grad`: the inputs and outputs of the cells `targets` names (or every cell with
@@ -190,8 +194,8 @@ class TensorStatsConfig(Section):
     """With `DYNAMIC_MONITOR=True`: switch monitoring on from the next step (docs/activations.md)."""
 
     later: Dict[str, Any] = field(default_factory=dict)  # keys of later capabilities, as given
-    l2: Any = None                          # mindmon.features.l2.config.L2Config (L2 features)
-    cc: Any = None                          # mindmon.features.l2.config.CcConfig (cc_distribution)
+    l2: Optional[L2Config] = None           # the L2 features' keys (l2_targets, recording_l2_features, sa_*)
+    cc: Optional[CcConfig] = None           # cc_distribution
 
     @classmethod
     def parse(cls, path: str, raw: Any) -> Optional["TensorStatsConfig"]:
