@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -106,11 +105,11 @@ def test_max_norm_nan_stops_the_trainer_before_step_1(tmp_path):
 
 @pytest.mark.parametrize("target", [1_000_000, 10 ** 12, tuple(range(5, 200_000))])
 def test_target_layers_far_beyond_the_model_is_a_short_error(target):
-    started = time.perf_counter()
+    """A target of 10**12 layers is answered from the model's layer count (enumerating it would never end)."""
     with pytest.raises(ConfigError) as caught:
         select_layers(make_model(), MoEMonitorConfig(1, target), logging.getLogger("test"))
     message = str(caught.value)
-    assert time.perf_counter() - started < 5 and len(message) < 400, message
+    assert len(message) < 400, message
     assert "decoder layer(s)" in message and "allowed: ids 0..1 (the model has 2 decoder layers)" in message
     if isinstance(target, int):
         assert f"got {target}; decoder layer(s) 2..{target - 1} do not exist" in message
@@ -141,15 +140,19 @@ def test_largest_tensorboard_queue_works_in_tensorboardx(tmp_path):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "rank_0"))
 
 
-def test_a_large_yaml_loads_in_seconds(tmp_path):
-    """About 4 MB of plain training config (a long list of data files, say) through the C loader."""
+def test_a_large_yaml_goes_through_the_c_parser(tmp_path, monkeypatch):
+    """About 4 MB of plain training config (a long list of data files, say) read whole, by libyaml's C parser
+    (the pure-Python one takes minutes on such a file): which parser read it is checked, not its time."""
     files = [f"/data/shard_{i:07d}.mindrecord" for i in range(120_000)]
     (tmp_path / "big.yaml").write_text(yaml.safe_dump({"monitor": {"train_state": {"local_loss": True}},
                                                         "train_dataset": {"files": files}}))
     assert (tmp_path / "big.yaml").stat().st_size > 3_000_000
-    started = time.perf_counter()
+    python_parser_nodes = []
+    real_parse_node = yaml.parser.Parser.parse_node
+    monkeypatch.setattr(yaml.parser.Parser, "parse_node", lambda self, *args, **kwargs: python_parser_nodes.append(1)
+                        or real_parse_node(self, *args, **kwargs))
     raw = load_yaml(str(tmp_path / "big.yaml"))
-    assert time.perf_counter() - started < 10
+    assert yaml.__with_libyaml__ and python_parser_nodes == []   # not one node through the pure-Python parser
     assert raw["train_dataset"]["files"][-1] == files[-1] and len(raw["train_dataset"]["files"]) == 120_000
 
 
