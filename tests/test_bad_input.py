@@ -174,14 +174,10 @@ def test_missing_file_and_directory(tmp_path, capsys):
     _assert_one_clean_line(code, err, f"{tmp_path}: Is a directory")
 
 
-def test_billion_laughs_is_refused_quickly(tmp_path, capsys):
-    import time
-
+def test_billion_laughs_is_refused_before_expanding(tmp_path, capsys):
     path = _write(tmp_path, BILLION_LAUGHS)
     assert len(BILLION_LAUGHS) < 450
-    started = time.perf_counter()
-    code, _, err = _check_config(path, capsys)
-    assert time.perf_counter() - started < 2.0
+    code, _, err = _check_config(path, capsys)   # expanded, it would be 10**9 nodes: this call would not end
     _assert_one_clean_line(code, err, ": aliases expand the document by", "allowed: at most 100000")
     # Independent count: level a is a list of 9 scalars (10 nodes), each next level a list of 9
     # copies of the one before; plus the root mapping and its 9 keys. The file itself spells out
