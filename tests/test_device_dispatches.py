@@ -11,6 +11,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
+from mindmon.features.tensor_stats.accumulate import GradientSums
 from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
 from mindmon.kernels.device import LEVELS
 from mindmon.kernels.dispatches import count_kernel_launches
@@ -25,6 +26,12 @@ POINT = Counter({"Concat": 1, "Square": 1, "IsNan": 1, "Cast": 2, "Abs": 1, "Les
                  "UnsortedSegmentSum": LEVELS, "UnsortedSegmentMin": 1, "UnsortedSegmentMax": 1})
 # Squared norms of one dtype group: a concatenation, the squares, the sums level by level.
 NORMS = Counter({"Concat": 1, "Square": 1, "UnsortedSegmentSum": LEVELS})
+# grad_unreduced's sums, per micro-batch of float32 gradients and one float16 one: the float32 ones
+# concatenated, the float16 one cast, the two groups concatenated; from the second on, one add into the
+# step's flat sum. Their statistics: a point's kernels on the flat sum, which needs no concatenation.
+FIRST_MICRO_BATCH = Counter({"Concat": 2, "Cast": 1})
+LATER_MICRO_BATCH = FIRST_MICRO_BATCH + Counter({"AddExt": 1})
+SUMS_STATISTICS = POINT - Counter({"Concat": 1})
 
 
 def _dense_stack(layers: int, width: int = 6) -> nn.Cell:
@@ -156,3 +163,87 @@ def test_train_state_norms_take_the_same_kernels_per_micro_step(layers, tmp_path
     added = Counter(on.names) - Counter(off.names)
     assert added == NORMS + NORMS + NORMS + NORMS + NORMS + Counter({"Concat": 1})
     assert sum(added.values()) == on.count - off.count == 5 * sum(NORMS.values()) + 1
+
+
+def _micro_gradients(shapes, micro_batches: int, seed: int) -> list:
+    """A step's micro-batch gradients: float32, parameter 1's float16, a NaN in parameter 2's second."""
+    rng = np.random.default_rng(seed)
+    micro = [[Tensor(rng.normal(0.1 * k, 1.0 + k, size=shape).astype(np.float32)) for shape in shapes]
+             for k in range(micro_batches)]
+    for grads in micro:
+        grads[1] = grads[1].astype(ms.float16)
+    with_nan = micro[1][2].asnumpy().copy()
+    with_nan.reshape(-1)[3] = np.nan
+    micro[1][2] = Tensor(with_nan)
+    return micro
+
+
+def _summed_step(sums: GradientSums, monitor: TensorStatsMonitor, micro) -> tuple:
+    """One step of hooks (each micro-batch's gradients in a backward pass's order, last parameter first)
+    and its grad_unreduced record: the kernels of each micro-batch, of the statistics, of the read."""
+    per_micro_batch = []
+    for grads in micro:
+        with count_kernel_launches() as launched:
+            for index in reversed(range(len(grads))):
+                sums.add(index, f"p{index}", grads[index])
+        per_micro_batch.append(Counter(launched.names))
+    with count_kernel_launches() as statistics:
+        monitor.record("grad_unreduced", sums.for_recording(monitor.stats))
+    with count_kernel_launches() as read:
+        records = monitor.collect(step=1)
+    sums.clear()
+    return per_micro_batch, Counter(statistics.names), read.names, records
+
+
+@pytest.mark.parametrize("layers", [4, 32], ids=["8_tensors", "64_tensors"])
+def test_gradient_sums_take_the_same_kernels_per_micro_batch_for_8_and_64_tensors(layers):
+    shapes = [tuple(p.shape) for p in _dense_stack(layers).get_parameters()]
+    micro_batches = 3
+    sums = GradientSums(on_host=False, per_micro_batch=False, on_micro_gradient=None)
+    monitor = TensorStatsMonitor(OPS, EPS, on_host=False)
+    sums.expect(len(shapes), micro_batches, monitor.stats)
+    _summed_step(sums, monitor, _micro_gradients(shapes, micro_batches, seed=1))   # warm
+    micro = _micro_gradients(shapes, micro_batches, seed=2)
+    per_micro_batch, statistics, read, records = _summed_step(sums, monitor, micro)
+    assert per_micro_batch == [FIRST_MICRO_BATCH, LATER_MICRO_BATCH, LATER_MICRO_BATCH]
+    assert sum(LATER_MICRO_BATCH.values()) == 4
+    assert statistics == SUMS_STATISTICS and sum(statistics.values()) == 12
+    assert read == ["Concat"]
+    assert [r.name for r in records] == [f"p{i}" for i in range(len(shapes))]
+    assert [r.shape for r in records] == shapes
+    assert [r.dtype for r in records] == ["Float32", "Float16"] + ["Float32"] * (len(shapes) - 2)
+    expected = [sum(grads[i].astype(ms.float32).asnumpy().astype(np.float64) for grads in micro)
+                for i in range(len(shapes))]
+    _assert_rows(np.array([r.value for r in records]), [Tensor(e.astype(np.float32)) for e in expected])
+    assert np.isnan(records[2].value[:4]).all() and records[2].value[5] == 1.0   # the NaN: min, max, mean, norm
+
+
+def test_gradient_sums_of_irregular_micro_batches_equal_numpys():
+    """A parameter without a gradient in one micro-batch, one that first comes in the second, one whose
+    dtype changes: the flat sum is laid out again (a gather), and every sum is still numpy's."""
+    rng = np.random.default_rng(3)
+    shapes = [(5, 4), (7,), (3, 3), ()]
+    micro = [{index: Tensor(rng.normal(size=shape).astype(np.float32)) for index, shape in enumerate(shapes)}
+             for _ in range(3)]
+    del micro[0][3], micro[1][0]                               # 3 comes late; 0 misses micro-batch 1
+    micro[2][1] = micro[2][1].astype(ms.float16)               # 1's dtype changes
+    sums = GradientSums(on_host=False, per_micro_batch=False, on_micro_gradient=None)
+    monitor = TensorStatsMonitor(OPS, EPS, on_host=False)
+    sums.expect(len(shapes), 3, monitor.stats)
+    for grads in micro:
+        for index, grad in grads.items():
+            sums.add(index, f"p{index}", grad)
+    found = dict(sums.named_sums())
+    monitor.record("grad_unreduced", sums.for_recording(monitor.stats))
+    records = {r.name: r for r in monitor.collect(step=1)}
+    for index, shape in enumerate(shapes):
+        expected = sum(grads[index].astype(ms.float32).asnumpy().astype(np.float64) for grads in micro
+                       if index in grads)
+        np.testing.assert_allclose(found[f"p{index}"].asnumpy(), expected, rtol=1e-6, atol=1e-6)
+        assert found[f"p{index}"].shape == shape
+        _assert_rows(np.array([records[f"p{index}"].value]), [Tensor(np.float32(expected))])
+    assert records["p3"].value[6] == pytest.approx(float(micro[1][3].asnumpy() + micro[2][3].asnumpy()))
+    assert records["p1"].dtype == "Float32" and records["p3"].shape == ()   # as the first gradient gave them
+    with pytest.raises(ValueError, match=r"a gradient of 4 elements, \(4,\), for a sum of 9"):
+        sums.add(2, "p2", Tensor(np.ones(4, np.float32)))
+        sums.flush()

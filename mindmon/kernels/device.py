@@ -151,47 +151,68 @@ _SUMS_FOR = {"mean": ("values",), "id": ("values",), "norm": ("squares",), "nans
 _SUMS = ("values", "squares", "nans", "small")
 
 
-def device_statistics(tensors: Sequence, ops: Sequence[str], eps: float) -> DeviceRows:
-    """The statistics (`mindmon.features.tensor_stats.monitor`'s `ops`) of each of `tensors`, reduced on the
-    device, finished on the host as float64 rows [tensors, ops] by `read_all`."""
+def _wanted(ops: Tuple[str, ...]) -> Tuple[List[str], List[str]]:
+    """The per-tensor sums (`_SUMS`) and extremes (min, max) that `ops` need."""
+    sums = [name for name in _SUMS if any(name in _SUMS_FOR[op] for op in ops)]
+    return sums, [op for op in ("min", "max") if op in ops]
+
+
+def _reductions(flat, sizes: Tuple[int, ...], sums: List[str], extremes: List[str], eps: float) -> List:
+    """The device parts of one flat float32 tensor holding tensors of `sizes` one after another: the
+    stacked `sums` per tensor [tensors, len(sums)], then each extreme per tensor."""
     from mindspore import mint
     from mindspore import ops as msops
     import mindspore as ms
 
+    ids = segment_ids(sizes, bool(extremes))
+    columns, parts = [], []
+    for name in sums:
+        if name == "values":
+            columns.append(flat)
+        elif name == "squares":
+            columns.append(mint.square(flat))
+        elif name == "nans":
+            columns.append(msops.isnan(flat).astype(ms.float32))
+        else:
+            columns.append((mint.abs(flat) < eps).astype(ms.float32))
+    if columns:
+        stacked = msops.stack(columns, 1) if len(columns) > 1 else columns[0].reshape(-1, 1)
+        parts.append(_segment_sums(stacked, ids))
+    for op in extremes:
+        reduce = msops.unsorted_segment_min if op == "min" else msops.unsorted_segment_max
+        parts.append(reduce(flat, ids.element_tensors, len(sizes)))
+    return parts
+
+
+def _rows_of(ops: Tuple[str, ...], sums: List[str], extremes: List[str], pieces, sizes: Tuple[int, ...],
+             scalar: np.ndarray) -> np.ndarray:
+    """The finished rows of one `_reductions` call from its parts read to the host (`pieces`, consumed)."""
+    found = dict(zip(sums, next(pieces).T)) if sums else {}
+    found.update((op, next(pieces)) for op in extremes)
+    return _finished_rows(ops, found, np.array(sizes, dtype=np.float64), scalar)
+
+
+def _empty_rows(ops: Tuple[str, ...], count: int) -> np.ndarray:
+    return np.tile(np.array([EMPTY_STATISTICS[op] for op in ops], dtype=np.float64), (count, 1))
+
+
+def device_statistics(tensors: Sequence, ops: Sequence[str], eps: float) -> DeviceRows:
+    """The statistics (`mindmon.features.tensor_stats.monitor`'s `ops`) of each of `tensors`, reduced on the
+    device, finished on the host as float64 rows [tensors, ops] by `read_all`."""
     ops = tuple(ops)
-    sums = [name for name in _SUMS if any(name in _SUMS_FOR[op] for op in ops)]
-    extremes = [op for op in ("min", "max") if op in ops]
+    sums, extremes = _wanted(ops)
     parts, groups = [], []
     for dtype, indices in _dtype_groups(tensors):
-        flat = _flat_float32([tensors[i] for i in indices], dtype)
         sizes = tuple(int(tensors[i].size) for i in indices)
-        ids = segment_ids(sizes, bool(extremes))
-        columns = []
-        for name in sums:
-            if name == "values":
-                columns.append(flat)
-            elif name == "squares":
-                columns.append(mint.square(flat))
-            elif name == "nans":
-                columns.append(msops.isnan(flat).astype(ms.float32))
-            else:
-                columns.append((mint.abs(flat) < eps).astype(ms.float32))
-        if columns:
-            stacked = msops.stack(columns, 1) if len(columns) > 1 else columns[0].reshape(-1, 1)
-            parts.append(_segment_sums(stacked, ids))
-        for op in extremes:
-            reduce = msops.unsorted_segment_min if op == "min" else msops.unsorted_segment_max
-            parts.append(reduce(flat, ids.element_tensors, len(indices)))
+        parts += _reductions(_flat_float32([tensors[i] for i in indices], dtype), sizes, sums, extremes, eps)
         groups.append((indices, sizes))
     scalars = np.array([not tuple(t.shape) for t in tensors], dtype=bool)
 
     def finish(host: List[np.ndarray]) -> np.ndarray:
-        rows = np.tile(np.array([EMPTY_STATISTICS[op] for op in ops], dtype=np.float64), (len(tensors), 1))
+        rows = _empty_rows(ops, len(tensors))
         pieces = iter(host)
         for indices, sizes in groups:
-            found = dict(zip(sums, next(pieces).T)) if sums else {}
-            found.update((op, next(pieces)) for op in extremes)
-            rows[indices] = _finished_rows(ops, found, np.array(sizes, dtype=np.float64), scalars[indices])
+            rows[indices] = _rows_of(ops, sums, extremes, pieces, sizes, scalars[indices])
         return rows
 
     return DeviceRows(parts, finish)
@@ -242,10 +263,126 @@ def device_squared_norms(tensors: Sequence) -> DeviceRows:
     return DeviceRows(parts, finish)
 
 
+class FlatSums:
+    """Per-key sums of tensors (a step's micro-batch gradients per parameter) in one flat float32 tensor on
+    the device, and their statistics read from it, in a number of kernels that does not grow with the
+    number of keys. `add(keyed)` adds one tensor per key (a micro-batch): per dtype their flat views
+    concatenated and cast to float32 once, the groups concatenated, then one add into the flat sum (the
+    first micro-batch's concatenation is the sum). The sum's segments are grouped by dtype in the order the
+    keys first came, so that the concatenation lines up with them; a micro-batch that brings another set of
+    keys or dtypes (a parameter without a gradient, a new one) lays the segments out anew, the sum moved by
+    one gather, a missing key's part zeros copied from the host (no kernel).
+
+    Kernels per regular micro-batch: per dtype group a Concat (not for a single tensor) and a Cast (not for
+    float32), a Concat of the groups when more than one, an add (not for the first)."""
+
+    def __init__(self):
+        self.flat = None
+        self._keys: List = []          # in the flat sum's order
+        self._sizes: List[int] = []
+        self._dtypes: List = []        # the dtype each key's tensors have had lately (its dtype group)
+        self._where: Dict[object, int] = {}
+        self.layouts: Dict[object, tuple] = {}   # key -> (shape, dtype) of its first tensor
+        self.counts: Dict[object, int] = {}      # key -> tensors added
+
+    def add(self, keyed: Sequence[Tuple[object, object]]) -> None:
+        given = dict(keyed)
+        for key, tensor in given.items():
+            where = self._where.get(key)
+            if where is not None and int(tensor.size) != self._sizes[where]:
+                raise ValueError(f"a gradient of {int(tensor.size)} elements, {tuple(map(int, tensor.shape))}, "
+                                 f"for a sum of {self._sizes[where]}")
+        if len(given) != len(self._keys) or any(
+                self._where.get(key) is None or self._dtypes[self._where[key]] != tensor.dtype
+                for key, tensor in given.items()):
+            self._lay_out(given)
+        for key, tensor in given.items():
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self.layouts.setdefault(key, (tensor.shape, tensor.dtype))
+        micro = self._concatenated(given)
+        if micro is not None:
+            self.flat = micro if self.flat is None else self.flat + micro
+
+    def _lay_out(self, given: Dict) -> None:
+        """The segments for the keys so far and `given`'s, grouped by dtype; the sum moved to that order."""
+        dtypes = {key: dtype for key, dtype in zip(self._keys, self._dtypes)}
+        dtypes.update((key, tensor.dtype) for key, tensor in given.items())
+        sizes = dict(zip(self._keys, self._sizes))
+        sizes.update((key, int(tensor.size)) for key, tensor in given.items())
+        group_order = list(dict.fromkeys(dtypes.values()))
+        keys = sorted(dtypes, key=lambda key: group_order.index(dtypes[key]))   # stable: first come first
+        if self.flat is not None:
+            self.flat = self._moved([sizes[key] for key in keys], keys)
+        self._keys, self._sizes, self._dtypes = keys, [sizes[key] for key in keys], [dtypes[key] for key in keys]
+        self._where = {key: position for position, key in enumerate(keys)}
+
+    def _moved(self, sizes: List[int], keys: List):
+        """The flat sum in the order of `keys` (a new key's segment zero): one gather."""
+        from mindspore import Tensor, ops
+
+        starts = np.cumsum([0] + self._sizes)
+        zero = int(starts[-1])   # the element appended below
+        index = np.concatenate([np.arange(starts[self._where[key]], starts[self._where[key]] + size)
+                                if key in self._where else np.full(size, zero) for key, size in zip(keys, sizes)]
+                               + [np.zeros(0, np.int64)]).astype(np.int32)
+        padded = ops.concat([self.flat, Tensor(np.zeros(1, np.float32))])
+        return ops.gather(padded, Tensor(index), 0)
+
+    def _concatenated(self, given: Dict):
+        """`given`'s tensors in the segments' order as one flat float32 tensor (None: no element)."""
+        import mindspore as ms
+        from mindspore import Tensor, ops
+
+        groups: Dict[object, List] = {}
+        for key, size, dtype in zip(self._keys, self._sizes, self._dtypes):
+            if size:
+                tensor = given.get(key)
+                groups.setdefault(dtype, []).append(   # a missing key's zeros: made on the host
+                    tensor.reshape(-1) if tensor is not None else Tensor(np.zeros(size, np.float32), dtype))
+        flats = []
+        for dtype, pieces in groups.items():
+            flat = pieces[0] if len(pieces) == 1 else ops.concat(pieces)
+            flats.append(flat if dtype == ms.float32 else flat.astype(ms.float32))
+        return None if not flats else flats[0] if len(flats) == 1 else ops.concat(flats)
+
+    def statistics(self, keys: Sequence, ops: Sequence[str], eps: float) -> DeviceRows:
+        """The statistics of the sums of `keys` (rows in that order), reduced on the device from the flat
+        sum in one set of segment reductions; `read_all` finishes them."""
+        ops = tuple(ops)
+        sums, extremes = _wanted(ops)
+        sizes = tuple(self._sizes)
+        rows_of = np.array([self._where[key] for key in keys], dtype=np.int64)
+        scalars = np.array([not tuple(self.layouts[key][0]) for key in self._keys], dtype=bool)
+        parts = _reductions(self.flat, sizes, sums, extremes, eps) if self.flat is not None else []
+
+        def finish(host: List[np.ndarray]) -> np.ndarray:
+            rows = _rows_of(ops, sums, extremes, iter(host), sizes, scalars) if host else \
+                _empty_rows(ops, len(sizes))
+            rows[np.array(sizes) == 0] = _empty_rows(ops, 1)
+            return rows[rows_of]
+
+        return DeviceRows(parts, finish)
+
+    def tensors(self, keys: Sequence) -> List:
+        """The sums of `keys` as float32 tensors of their first tensor's shape (one split of the flat sum)."""
+        from mindspore import Tensor, ops
+
+        filled = [size for size in self._sizes if size]
+        pieces = iter(ops.split(self.flat, filled) if len(filled) > 1 else [self.flat] * len(filled))
+        flats = [next(pieces) if size else Tensor(np.zeros(0, np.float32)) for size in self._sizes]
+        return [flats[self._where[key]].reshape(tuple(map(int, self.layouts[key][0]))) for key in keys]
+
+    def clear(self) -> None:
+        self.flat = None
+        self._keys, self._sizes, self._dtypes, self._where = [], [], [], {}
+        self.layouts.clear()
+        self.counts.clear()
+
+
 def single_statistics(tensor, ops: Sequence[str], eps: float) -> List[float]:
     """`device_statistics` of one tensor, read now (for tests and one-off reads)."""
     return read_all([device_statistics([tensor], ops, eps)])[0][0].tolist()
 
 
-__all__ = ["DeviceRows", "EMPTY_STATISTICS", "group_size", "device_squared_norms", "device_statistics",
+__all__ = ["DeviceRows", "EMPTY_STATISTICS", "FlatSums", "group_size", "device_squared_norms", "device_statistics",
            "read_all", "segment_ids", "single_statistics"]

@@ -10,13 +10,18 @@ On CPU a hook only keeps its gradient, in its parameter's list. The lists are ad
 compiled call when the micro-batch's backward pass ends (before the caller has the gradients: a loop that
 accumulates into them in place cannot change what is added) and before the sums are read. At the step's
 last micro-batch the same call takes the statistics of each finished sum while it is in cache, so
-`grad_unreduced` costs no read of its own. Why: in a hook, between MindSpore's kernels, the caches are
+`grad_unreduced` costs no read of its own.
+
+Elsewhere (the device path) the hooks queue their gradients the same way and a micro-batch's are added
+together into one flat float32 sum on the device (`mindmon.kernels.device.FlatSums`: a concatenation per
+dtype and one add), whose statistics are read from it by one set of segment reductions: a constant number
+of kernels per micro-batch and per step, whatever the number of parameters. Why: in a hook, between MindSpore's kernels, the caches are
 cold and each Python call and attribute read costs several times its warm time (measured: about 26 us
 for a gradient's shape, dtype and pointer in a hook, 3 us right after).
 
 Where the backward pass ends is learned: while `closer` is None every hook is Python (`add`), and a
 micro-batch ends when every hooked parameter has given a gradient or one gives a second; the parameter
-whose gradient came last is then the closer. From the step's end on (the hooks are made again), every
+whose gradient came last is then the closer (on the host: device hooks stay Python). From the step's end on (the hooks are made again), every
 other parameter's hook is its list's own `append` (`append_hook`: a C call, no Python frame per gradient)
 and the closer's hook (`close`) adds the lists. A micro-batch in which the closer did not come last (fewer
 lists filled than when it was learned, or a list holding two gradients) sends the hooks back to learning.
@@ -38,6 +43,7 @@ import numpy as np
 from mindmon.compat import dtype_name, is_float32
 from mindmon.features.tensor_stats.monitor import (ComputedStatistics, HostTensor, host_statistics, layout,
                                                    statistic_codes)
+from mindmon.kernels.device import FlatSums
 from mindmon.kernels.one_pass import adds_at
 from mindmon.kernels.stats import SMALL, StepDirectViews, float32_memories, float32_memory, host_array
 
@@ -88,6 +94,7 @@ class GradientSums:
         # index -> (micro-batches summed, statistics row, ops, eps) taken at the last add
         self._finished: Dict[int, tuple] = {}
         self._plan: Optional[_Plan] = None   # for micro-batches that fill every list once
+        self._device_sums = FlatSums()      # the device path's sums
 
     def expect(self, hooked: int, micro_batches: int = 0, stats=None) -> None:
         self._hooked, self._micro_batches, self._stats = hooked, micro_batches, stats
@@ -102,7 +109,7 @@ class GradientSums:
             micro_step = self._counts.get(index, 0)
             self._counts[index] = micro_step + 1
             self.on_micro_gradient(name, grad, micro_step)
-        elif self.on_host:
+        else:
             arrived = self._list(index, name)
             if arrived:   # a second gradient: the micro-batch before it ended with the last one that came
                 self._end_learned_micro_batch()
@@ -110,10 +117,6 @@ class GradientSums:
             self._order.append(index)
             if len(self._order) >= self._hooked:
                 self._end_learned_micro_batch()
-        else:
-            self._counts[index] = self._counts.get(index, 0) + 1
-            previous = self._sums.get(index)
-            self._sums[index] = (name, grad if previous is None else previous[1] + grad)
 
     def append_hook(self, index: int, name: str) -> Callable:
         """A hook that only keeps the gradient (its list's `append`), for a parameter that is not the closer."""
@@ -142,10 +145,11 @@ class GradientSums:
     def flush(self) -> None:
         """The kept gradients into their sums, first of each list first (a list may hold a gradient that
         came after the closer, then the next micro-batch's): float32 ones at their data pointers, all in
-        one compiled call per round (with the statistics of the sums they finish), the others through numpy."""
+        one compiled call per round (with the statistics of the sums they finish), the others through numpy;
+        on the device each round into the flat sum."""
         self._order.clear()
         lists = list(self._arrived.values())
-        if lists and list(map(len, lists)).count(1) == len(lists) and self._add_planned(lists):
+        if self.on_host and lists and list(map(len, lists)).count(1) == len(lists) and self._add_planned(lists):
             return
         pending = []
         for index, arrived in self._arrived.items():
@@ -153,9 +157,13 @@ class GradientSums:
                 pending.append((index, arrived.copy()))
                 arrived.clear()   # in place: the hooks hold these lists' appends
         rounds = max((len(grads) for _, grads in pending), default=0)
+        add = self._add_round if self.on_host else self._add_on_device
         for position in range(rounds):
-            self._add_round([(index, self._names[index], grads[position]) for index, grads in pending
-                             if position < len(grads)])
+            add([(index, self._names[index], grads[position]) for index, grads in pending if position < len(grads)])
+
+    def _add_on_device(self, entries: List[Tuple[int, str, object]]) -> None:
+        self._device_sums.add([(index, grad) for index, _, grad in entries])
+        self._counts.update((index, self._device_sums.counts[index]) for index, _, _ in entries)
 
     def _add_planned(self, lists: List[list]) -> bool:
         """The one gradient of every list into its sum by the plan; False (nothing done) where it does not
@@ -236,15 +244,24 @@ class GradientSums:
         return flat
 
     def named_sums(self) -> List[Tuple[str, object]]:
+        """(name, sum) per parameter in index order: host arrays, or float32 tensors on the device."""
         self.flush()
+        if not self.on_host:
+            indices = sorted(self._device_sums.counts)
+            return list(zip(map(self._names.get, indices), self._device_sums.tensors(indices)))
         return [self._sums[index] for index in sorted(self._sums)]
 
     def for_recording(self, stats):
         """What `grad_unreduced` records into `stats` (a TensorStats): on the host the statistics of every
         sum in its ops and eps, those taken at the sum's last add where they are still its own (nothing
-        added since, the same ops and eps), the rest now; elsewhere the named sums."""
+        added since, the same ops and eps), the rest now; on the device the statistics of every sum, reduced
+        from the flat sum (read with the step's other device statistics)."""
         if not self.on_host:
-            return self.named_sums()
+            self.flush()
+            indices = sorted(self._device_sums.counts)
+            return ComputedStatistics(list(map(self._names.get, indices)),
+                                      list(map(self._device_sums.layouts.get, indices)),
+                                      self._device_sums.statistics(indices, stats.ops, stats.eps), tuple(stats.ops))
         self._end_learned_micro_batch()
         ops, eps = tuple(stats.ops), stats.eps
         indices = sorted(self._sums)
@@ -278,6 +295,7 @@ class GradientSums:
         self._counts.clear()
         self._sums.clear()
         self._finished.clear()
+        self._device_sums.clear()
         self.direct_views.forget()
 
     def release(self) -> None:
