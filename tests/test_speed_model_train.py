@@ -12,7 +12,7 @@ from conftest import read_jsonl
 from mindmon import build_group, parse_sections
 from mindmon.progress import DATA, FORWARD_BACKWARD, PROGRESS, UPDATE
 
-pytestmark = pytest.mark.ms27
+pytestmark = [pytest.mark.ms27, pytest.mark.serial]   # serial: step times held to a tolerance
 
 BATCHES, EPOCHS, BATCH, FEATURES, HIDDEN = 4, 2, 8, 3, 4
 STEPS = BATCHES * EPOCHS
