@@ -277,7 +277,9 @@ class FlopCounter:
         for layer, expert in self._expert_keys:
             counts = None if routed is None else routed.get(layer)
             if counts is None:
-                return self._missing(f"no routed counts for MoE layer {layer!r} (take_step(routed=...))")
+                return self._missing(f"no routed counts for MoE layer {layer!r}: the tokens each expert was "
+                                     f"given come from monitor.moe_monitor (switch it on), or take_step(routed=...) "
+                                     f"in a loop of your own")
             tokens = int(sum(counts)) if expert is None else int(counts[expert])
             shape = self._expert_shapes.get((layer, expert))
             if tokens and (shape is None or not shape.rows):
