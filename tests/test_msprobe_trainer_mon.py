@@ -293,7 +293,7 @@ def test_output_failure_is_logged_once_and_training_goes_on(tmp_path, output_roo
         monitor = msprobe_loop(BrokenFolder, write_config(tmp_path, WEIGHTS))
     assert monitor.step == STEPS
     failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
-    assert len(failures) == 1 and "MsprobeNamesCsvSink failed" in failures[0] and "switched off" in failures[0]
+    assert len(failures) == 1 and "MsprobeCsvSink failed" in failures[0] and "switched off" in failures[0]
 
 
 def test_from_config_feeds_extra_sinks(tmp_path, output_root):

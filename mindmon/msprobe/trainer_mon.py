@@ -27,7 +27,6 @@ from mindmon.features.tensor_stats.hooks import TensorStatsHooks, attachment
 from mindmon.features.tensor_stats.points import ACTV, ACTV_GRAD, GRAD_REDUCED, GRAD_UNREDUCED
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 from mindmon.formats.msprobe_csv import output_root as csv_output_root, run_folder_name
-from mindmon.formats.msprobe_tags import CC_PREFIXES, msprobe_csv_name
 from mindmon.msprobe.step_events import StepEvents
 from mindmon.parallel.layout import ParallelLayout
 
@@ -72,7 +71,7 @@ class TrainerMon:
 
     def _csv_sink(self) -> Optional[MsprobeCsvSink]:
         """msprobe's CSV files; none with `format: "api"` (the numbers only through generate_*_metrics)."""
-        return MsprobeNamesCsvSink.for_config(self.config) if self.config.writes_csv else None
+        return MsprobeCsvSink.for_config(self.config, msprobe_names=True) if self.config.writes_csv else None
 
     def _run_folder(self) -> str:
         """Where module_struct.json and stack_info.csv go: the CSV run folder, or one of the same name
@@ -264,16 +263,6 @@ class TrainerMon:
             self.step_events.remove()
         if self.group is not None:
             self.group.close()
-
-
-class MsprobeNamesCsvSink(MsprobeCsvSink):
-    """msprobe's CSV files with msprobe's names for the collectives' rows: `AllReduce.input`,
-    `all_reduce.output` (a row per tensor per call, in call order), where mindmon's own outputs name the
-    call site and call index."""
-
-    def write(self, records: Sequence) -> None:
-        super().write([dataclasses.replace(r, name=msprobe_csv_name(r.name)) if r.kind in CC_PREFIXES else r
-                       for r in records])
 
 
 DOCUMENTED_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iteration")

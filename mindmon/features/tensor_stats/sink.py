@@ -6,6 +6,7 @@ Example:
     sink.write(records)                 # TensorStatsRecords; other records are not for this sink
     sink.flush()
 """
+import dataclasses
 import logging
 import os
 from collections import defaultdict
@@ -15,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindmon.engine import RunInfo, Sink
 from mindmon.formats import msprobe_csv as fmt
+from mindmon.formats.msprobe_tags import CC_PREFIXES, msprobe_csv_name
 from mindmon.records import TensorStatsRecord
 
 logger = logging.getLogger("mindmon")
@@ -23,11 +25,14 @@ _KIND_AND_STEP = attrgetter("kind", "step")
 
 class MsprobeCsvSink(Sink):
     """Writes `<prefix>_<first>-<last>.csv` files, appending each step's rows as they come; every file is
-    closed after each write, so what was written survives a crash."""
+    closed after each write, so what was written survives a crash. `msprobe_names`: the collectives' rows
+    named as msprobe's TrainerMon names them (`AllReduce.input`, `all_reduce.output`: a row per tensor per
+    call, in call order), where mindmon's own outputs name the call site and call index."""
 
     def __init__(self, root: Optional[str] = None, ndigits: int = 6, step_count_per_record: int = 1,
-                 significant_digits: bool = False, append_output: Tuple[str, ...] = ()):
+                 significant_digits: bool = False, append_output: Tuple[str, ...] = (), msprobe_names: bool = False):
         self.root = root
+        self.msprobe_names = msprobe_names
         self.ndigits = ndigits
         self.step_count_per_record = step_count_per_record
         self.significant_digits = significant_digits
@@ -37,10 +42,10 @@ class MsprobeCsvSink(Sink):
         self._warned = set()
 
     @classmethod
-    def for_config(cls, config, root: Optional[str] = None) -> "MsprobeCsvSink":
+    def for_config(cls, config, root: Optional[str] = None, msprobe_names: bool = False) -> "MsprobeCsvSink":
         """The CSV sink a TensorStatsConfig asks for, under `root` (None: msprobe's output root)."""
         return cls(root, config.ndigits, config.step_count_per_record, config.significant_digits,
-                   config.append_output)
+                   config.append_output, msprobe_names)
 
     def reconfigure(self, config) -> None:
         """A new configuration (dynamic on/off) formats the rows it writes from now on."""
@@ -63,6 +68,9 @@ class MsprobeCsvSink(Sink):
             self.open(RunInfo())
         by_file = defaultdict(list)
         ours = list(compress(records, map(isinstance, records, repeat(TensorStatsRecord))))
+        if self.msprobe_names:
+            ours = [dataclasses.replace(r, name=msprobe_csv_name(r.name)) if r.kind in CC_PREFIXES else r
+                    for r in ours]
         # thousands of records, in runs of one (kind, step): grouped run by run, with no Python per record
         for (kind, step), run in groupby(zip(map(_KIND_AND_STEP, ours), ours), key=itemgetter(0)):
             first, last = fmt.step_range(step - 1, self.step_count_per_record)
