@@ -143,6 +143,24 @@ def test_on_the_device_the_sum_stays_a_tensor(rng):
     np.testing.assert_allclose(total.asnumpy(), micro[0] + micro[1] + micro[2], rtol=1e-6)
 
 
+def test_on_the_device_a_micro_batch_is_added_when_its_last_hook_comes(rng):
+    """The device path queues as the host path does: nothing is added until every hooked parameter has
+    given its gradient, then the micro-batch goes into the flat sum at once; the sums are numpy's."""
+    sums = GradientSums(on_host=False, per_micro_batch=False, on_micro_gradient=None)
+    sums.expect(2, 2, None)
+    micro = [{name: _micro_batches(rng, shape, np.float32, count=1)[0] for name, shape in (("a", (4, 3)), ("b", (5,)))}
+             for _ in range(2)]
+    for k, grads in enumerate(micro):
+        sums.add(0, "a", Tensor(grads["a"]))
+        assert sums._device_sums.counts == ({} if k == 0 else {0: 1, 1: 1})   # queued
+        sums.add(1, "b", Tensor(grads["b"]))
+        assert sums._device_sums.counts == {0: k + 1, 1: k + 1}               # the last hook added both
+    found = dict(sums.named_sums())
+    for name in ("a", "b"):
+        np.testing.assert_allclose(found[name].asnumpy(), micro[0][name] + micro[1][name], rtol=1e-6)
+        assert found[name].shape == micro[0][name].shape
+
+
 def test_a_count_other_than_grad_acc_steps_is_said_once(rng, caplog):
     sums = _sums(direct=True)
     grad = Tensor(_micro_batches(rng, (3,), np.float32, count=1)[0])
