@@ -21,7 +21,6 @@ from mindmon.features.moe_tokens.monitor import select_layers
 from mindmon.config import load_yaml
 from test_plain_loop import Regression, _data
 
-pytestmark = pytest.mark.serial   # asserts time bounds (a 4 MB YAML loaded in seconds)
 
 
 def test_unknown_data_parallel_group_stops_both_workers(tmp_path):
