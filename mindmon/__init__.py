@@ -6,16 +6,16 @@ imports it at interpreter start). The public names below load on first use.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MonitorGroup": ("mindmon.group", "MonitorGroup"),
-    "build_group": ("mindmon.factory", "build_group"),
-    "build_callbacks": ("mindmon.factory", "build_callbacks"),
-    "assemble": ("mindmon.factory", "assemble"),
+    "MonitorGroup": ("mindmon.core.group", "MonitorGroup"),
+    "build_group": ("mindmon.core.factory", "build_group"),
+    "build_callbacks": ("mindmon.core.factory", "build_callbacks"),
+    "assemble": ("mindmon.core.factory", "assemble"),
     "MonitorConfig": ("mindmon.config", "MonitorConfig"),
     "ConfigError": ("mindmon.config", "ConfigError"),
     "parse_sections": ("mindmon.features", "parse_sections"),
-    "AccumulatingTrainStep": ("mindmon.step", "AccumulatingTrainStep"),
-    "split_batch": ("mindmon.step", "split_batch"),
-    "parameter_names": ("mindmon.names", "parameter_names"),
+    "AccumulatingTrainStep": ("mindmon.loop.step", "AccumulatingTrainStep"),
+    "split_batch": ("mindmon.loop.step", "split_batch"),
+    "parameter_names": ("mindmon.core.names", "parameter_names"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -6,7 +6,7 @@ repositories have a `callbacks.py` of their own next to the launch script, which
 """
 from mindmon.features.max_logits.callback import MaxLogitsMonitor
 from mindmon.features.profiler.callback import ProfilerCallback
-from mindmon.trainer_callbacks import MonitorCallback, TrainerCallback
+from mindmon.core.trainer_callbacks import MonitorCallback, TrainerCallback
 
 # ModelMonitorCallback is given by __getattr__ below: importing it imports MindSpore.
 __all__ = ["MaxLogitsMonitor", "ModelMonitorCallback",  # noqa: F822
@@ -15,7 +15,7 @@ __all__ = ["MaxLogitsMonitor", "ModelMonitorCallback",  # noqa: F822
 
 def __getattr__(name):
     if name == "ModelMonitorCallback":
-        from mindmon.model_callback import ModelMonitorCallback
+        from mindmon.loop.model_callback import ModelMonitorCallback
 
         return ModelMonitorCallback
     raise AttributeError(f"module 'mindmon.callbacks' has no attribute {name!r}")

@@ -13,7 +13,7 @@
     mindmon alerts resend RUN_DIR [--config FILE]             deliver what a run left in its alert spool files
     mindmon csv2db RUN_DIR [-o DB] [--micro_step true|false]  msprobe CSV files -> msprobe's trend SQLite database
 
-`python -m mindmon` is the same command. The live path (training) is in mindmon.group, .factory,
+`python -m mindmon` is the same command. The live path (training) is in mindmon.core.group, .factory,
 .step, .monitors, .sinks, .callbacks, .probes, .integrations; these commands use mindmon.analysis.
 """
 import argparse

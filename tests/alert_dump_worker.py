@@ -4,7 +4,7 @@ import logging
 import sys
 
 from mindmon.features.alerts import AlertConfig, AlertSink
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 STATISTICS = ("norm", "min", "max", "mean", "zeros", "nans")
 

@@ -9,9 +9,9 @@ import time
 
 import yaml
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.alerts import AlertConfig, AlertSink
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 NAMES = 5
 

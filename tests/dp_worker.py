@@ -40,7 +40,7 @@ def checks(rank: int) -> None:
     from mindspore.communication import GlobalComm
 
     from mindmon.config import ConfigError
-    from mindmon.distributed import DataParallel
+    from mindmon.parallel.data_parallel import DataParallel
 
     world = DataParallel()
     assert (world.size, world.rank, world.active, world.group) == (2, rank, True, None)

@@ -3,16 +3,16 @@ its place in the step set by lines on stdin.
 
     hang_peer.py RANK WORLD PORT HANG_AFTER OUTPUT_DIR
 
-Stdin lines: `enter STEP PHASE` (mindmon.progress.PROGRESS.enter), `close` (the watchdog closes, the
+Stdin lines: `enter STEP PHASE` (mindmon.core.progress.PROGRESS.enter), `close` (the watchdog closes, the
 process ends). Prints `ready` once the watchdog runs, `on_hang <number> <odd ranks> <step> <phase>` for
 each hang handed to the callback (rank 0 only).
 """
 import logging
 import sys
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.parallel.watchdog import PeerWatchdog
-from mindmon.progress import PROGRESS
+from mindmon.core.progress import PROGRESS
 
 
 def on_hang(hang) -> None:

@@ -197,7 +197,7 @@ def accumulating_step_loop(TrainerMon, config_path, steps=STEPS):
     import mindspore as ms
     from mindspore import nn
 
-    from mindmon.step import AccumulatingTrainStep
+    from mindmon.loop.step import AccumulatingTrainStep
 
     model = make_model()
     optimizer = make_optimizer("AdamWeightDecay", model.trainable_params())

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.formats.jsonl import metrics_files, read_records
-from mindmon.records import LOCAL_LOSS, MICRO_NORM
+from mindmon.core.records import LOCAL_LOSS, MICRO_NORM
 
 DUMP_FILE = "anomaly.json"
 

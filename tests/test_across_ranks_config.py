@@ -71,8 +71,8 @@ def test_a_dropped_monitor_still_sends_its_buffer_as_zeros(caplog):
     switched off and the group sends zeros of its declared sizes in its place, then skips it on receive."""
     from mindspore import Tensor
 
-    from mindmon.engine import CrossRankPayload, CrossRankSizes, Monitor
-    from mindmon.group import MonitorGroup
+    from mindmon.core.engine import CrossRankPayload, CrossRankSizes, Monitor
+    from mindmon.core.group import MonitorGroup
 
     class Buffered(Monitor):
         def __init__(self, fail):

@@ -13,7 +13,7 @@ import numpy as np
 
 from mindmon.features.alerts import AlertConfig, AlertSink
 from mindmon.features.alerts.dump import SPARE_FILE, dump_path
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from alert_dump_worker import STATISTICS, step_records
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -303,7 +303,7 @@ def test_full_buffers_are_counted_by_cause(tmp_path, caplog):
 
 
 def _records(step):
-    from mindmon.records import Record
+    from mindmon.core.records import Record
 
     return [Record(step, None, 0, "device_loss", "loss", 1.0 + step)]
 
@@ -325,7 +325,7 @@ FULL_DISK_JOB = '''
 import logging, resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))   # files above it: EFBIG
 from mindmon.features.alerts import AlertConfig, AlertSink
-from mindmon.records import Record
+from mindmon.core.records import Record
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 sink = AlertSink(AlertConfig.parse("alert", {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": 0.0}}],
     "dump": True, "inform": {"connection_str": sys.argv[3], "queue_size": 10, "timeout": 1, "close_timeout": 0.5}}),

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from mindmon.features.alerts import AlertConfig, AlertSink
-from mindmon.records import Record
+from mindmon.core.records import Record
 from test_alert_outages import email_counts, select_rows, url_text
 from test_alerts import email_inform
 

@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from mindmon.config import ConfigError
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.alerts import AlertConfig, AlertSink
 from mindmon.features.alerts.anomaly import KeyedAnomaly
 from mindmon.features.alerts.recipients import build_recipient
-from mindmon.records import Record
+from mindmon.core.records import Record
 from webhook_receiver import Receiver
 
 FEISHU_SECRET, DINGTALK_SECRET = "fs-s3cret-Kq9", "SECdt-s3cret-77"

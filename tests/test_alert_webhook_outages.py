@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.alerts import AlertConfig, AlertSink
 from servers import free_port
 from test_alert_webhook import TOKEN, alert_section, key_of, records

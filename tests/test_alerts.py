@@ -14,9 +14,9 @@ import pytest
 from mindmon.features.alerts import AlertActions, AlertConfig, AlertSink, build_alert_sink, delivery_note
 from mindmon.features.alerts.anomaly import DUMP_FIELDS
 from mindmon.config import ConfigError
-from mindmon.distributed import DataParallel
-from mindmon.engine import RunInfo
-from mindmon.records import Record
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.engine import RunInfo
+from mindmon.core.records import Record
 from servers import PG_PASSWORD, SMTP_PASSWORD, SMTP_USER, free_port
 from test_plain_loop import Regression, _data as regression_data  # the tiny real MindSpore model
 
@@ -400,8 +400,8 @@ def plain_loop(tmp_path, alerts, actions=None, lr=0.1):
     from mindspore import nn
 
     from mindmon import AccumulatingTrainStep, parse_sections
-    from mindmon.factory import build
-    from mindmon.group import MonitorGroup
+    from mindmon.core.factory import build
+    from mindmon.core.group import MonitorGroup
 
     net = Regression()
     optimizer = nn.SGD(net.trainable_params(), learning_rate=lr)
@@ -479,8 +479,8 @@ from mindspore.communication import init
 ms.set_context(device_target="CPU")
 init("mccl")
 from mindmon.features.alerts import AlertActions, AlertConfig, AlertSink
-from mindmon.distributed import DataParallel
-from mindmon.records import Record
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.records import Record
 
 data_parallel = DataParallel()
 rank = data_parallel.rank

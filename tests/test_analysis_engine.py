@@ -18,9 +18,9 @@ from mindmon.analysis.compact import compact_run
 from mindmon.analysis.report import figure_records, rank_summary, nonfinite_summary
 from mindmon.analysis.sql import Engine
 from mindmon.analysis.to_tensorboard import rank_shape, run_shape
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats import jsonl
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.sinks import JsonlSink
 
 RANKS, STEPS, K = 11, 6, 3

@@ -118,7 +118,7 @@ def test_wrappers_installed_and_restored_exactly_in_one_process():
     from mindspore.communication import comm_func
 
     from mindmon.config import ConfigError
-    from mindmon.group import MonitorGroup
+    from mindmon.core.group import MonitorGroup
     from mindmon.features.collectives.hooks import COMM_FUNCS, PRIMITIVES, CollectivePatch
     from mindmon.features.l2.config import CcConfig
 

@@ -11,9 +11,9 @@ import pytest
 
 from mindmon.config import ConfigError
 from mindmon.features import parse_sections
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats import columnar, jsonl
-from mindmon.records import Record, TensorStatsRecord
+from mindmon.core.records import Record, TensorStatsRecord
 from mindmon.sinks import JsonlSink
 from mindmon.sinks.columnar import ColumnarSink
 
@@ -187,7 +187,7 @@ def test_a_missing_engine_is_one_line_naming_the_extra(tmp_path):
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("mindmon query: this feature needs duckdb") and "mindmon[analysis]" in result.stderr
     sink_blocked = ("import sys; sys.modules['pyarrow'] = None\nfrom mindmon.sinks.columnar import ColumnarSink\n"
-                    "from mindmon.engine import RunInfo\n"
+                    "from mindmon.core.engine import RunInfo\n"
                     f"ColumnarSink({str(tmp_path / 'x')!r}).open(RunInfo(0))")
     result = subprocess.run([sys.executable, "-c", sink_blocked], capture_output=True, text=True, timeout=120)
     assert "ConfigError: monitor.metrics_formats: got 'parquet', which needs pyarrow" in result.stderr

@@ -32,7 +32,7 @@ def test_narrow_and_split_equal_numpy_slices():
 
 
 def test_a_cells_parameter_names_are_its_own():
-    from mindmon.names import names_in_model
+    from mindmon.core.names import names_in_model
 
     dense = ms.nn.Dense(3, 2)
     parameters = dense.trainable_params()

@@ -53,7 +53,7 @@ def test_unknown_data_parallel_group_stops_both_workers(tmp_path):
 
 
 def test_a_group_name_without_communication_is_one_process():
-    from mindmon.distributed import DataParallel
+    from mindmon.parallel.data_parallel import DataParallel
 
     assert (DataParallel("dp_group").size, DataParallel("dp_group").rank) == (1, 0)
 
@@ -128,8 +128,8 @@ def test_rank_selections_that_miss_the_run_are_warned():
 
 def test_largest_tensorboard_queue_works_in_tensorboardx(tmp_path):
     """The bound is below what overflows tensorboardX (2**31 - 1), and the writer really opens with it."""
-    from mindmon.engine import RunInfo
-    from mindmon.records import Record
+    from mindmon.core.engine import RunInfo
+    from mindmon.core.records import Record
     from mindmon.sinks.tensorboard import TensorBoardSink
 
     sink = TensorBoardSink(str(tmp_path), queue_size=MAX_TENSORBOARD_QUEUE)

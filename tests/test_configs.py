@@ -24,7 +24,7 @@ def _demo(tmp_path, name, steps=2):
 
 def _kinds(records):
     """What the monitors recorded; the trainer's own per-step values (loss, lr, ...) are always there."""
-    from mindmon.records import GRAD_NORM, LEARNING_RATE, LOSS, MAX_NORM, SAMPLES
+    from mindmon.core.records import GRAD_NORM, LEARNING_RATE, LOSS, MAX_NORM, SAMPLES
 
     return Counter(r["kind"] for r in records if r["kind"] not in (GRAD_NORM, LEARNING_RATE, LOSS, SAMPLES, MAX_NORM))
 

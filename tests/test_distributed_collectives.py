@@ -1,4 +1,4 @@
-"""mindmon.distributed: every DataParallel function on two real msrun ranks (tests/dp_worker.py: sums of
+"""mindmon.parallel.data_parallel: every DataParallel function on two real msrun ranks (tests/dp_worker.py: sums of
 float32, float16, int32 and scalar tensors and the max of an array, over the world and over the group
 named, against numpy; the refusal of an unknown group to the character), and the one-process path."""
 import os
@@ -15,7 +15,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py"
 def test_one_process_returns_its_input():
     from mindspore import Tensor
 
-    from mindmon.distributed import DataParallel
+    from mindmon.parallel.data_parallel import DataParallel
 
     alone = DataParallel()
     assert (alone.size, alone.rank, alone.active) == (1, 0, False)

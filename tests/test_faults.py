@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mindmon.config import ConfigError
-from mindmon.engine import RunInfo, SinkClosedError
+from mindmon.core.engine import RunInfo, SinkClosedError
 from mindmon.formats import jsonl
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.sinks import JsonlSink
 
 pytestmark = pytest.mark.serial   # kills the msrun worker it finds among all processes by its command line and RANK_ID
@@ -158,7 +158,7 @@ def test_unwritable_output_dir_is_a_config_error_naming_the_key(tmp_path):
 
 def test_a_second_live_run_into_the_same_folder_is_refused(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from mindmon.sinks import JsonlSink; from mindmon.engine import RunInfo\n"
+        "import sys, time; from mindmon.sinks import JsonlSink; from mindmon.core.engine import RunInfo\n"
         f"s = JsonlSink({str(tmp_path)!r}); s.open(RunInfo(0)); print('open', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:

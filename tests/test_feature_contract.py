@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from conftest import make_model
-from mindmon.events import GradientsReduced, ReduceBegin
+from mindmon.core.events import GradientsReduced, ReduceBegin
 from mindmon.config import Section, setting
 from mindmon.config.fields import boolean
-from mindmon.engine import Feature, Monitor, RunInfo, Sink, SinkClosedError
-from mindmon.factory import build, build_callbacks, group_of
+from mindmon.core.engine import Feature, Monitor, RunInfo, Sink, SinkClosedError
+from mindmon.core.factory import build, build_callbacks, group_of
 from mindmon.features import FEATURES, parse_sections, section_of
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 IDS = [feature.name for feature in FEATURES]
 

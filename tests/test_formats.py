@@ -4,7 +4,7 @@ import json
 import pytest
 
 from mindmon.formats import jsonl
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 
 @pytest.mark.parametrize("value", [0.1, 1e-05, 123456789.123, 5e-324, 1.0, 0.0, -2.5, 1e300, 7])
@@ -25,7 +25,7 @@ def test_jsonl_lines_of_many_records_are_each_records_line():
     a list value, an iteration, a tensor-statistics record)."""
     import math
 
-    from mindmon.records import TensorStatsRecord
+    from mindmon.core.records import TensorStatsRecord
 
     def expected(record):
         value = record.value

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats import columnar, jsonl
 from mindmon.formats.msprobe_csv import read_csv
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.sinks.columnar import ColumnarSink
 
 JOB = Path(__file__).parent / "scripts" / "every_sink_job.py"

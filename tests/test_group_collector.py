@@ -10,8 +10,8 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mindmon.group import MonitorGroup
-from mindmon.records import TensorStatsRecord
+from mindmon.core.group import MonitorGroup
+from mindmon.core.records import TensorStatsRecord
 from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 

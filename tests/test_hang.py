@@ -234,7 +234,7 @@ def test_a_rank_blocked_in_its_forward_is_named_with_its_phase_and_stack_before_
     blocking = re.search(r'File "[^"]*hang_worker\.py", line \d+ in block_forever', texts[ODD])
     assert blocking, texts[ODD]
     for rank in range(ODD):   # the others wait in the all-reduce, under the train step; none in block_forever
-        assert "block_forever" not in texts[rank] and "mindmon/step.py" in texts[rank], texts[rank]
+        assert "block_forever" not in texts[rank] and "mindmon/loop/step.py" in texts[rank], texts[rank]
     from mindmon.formats import jsonl
 
     for rank in range(RANKS):   # rank 0 writes the hang to its JSONL at once, while its step never ends

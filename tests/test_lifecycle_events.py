@@ -7,12 +7,12 @@ message and in an e-mail."""
 import json
 import time
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.alerts import AlertConfig, AlertSink
 from mindmon.features.alerts.anomaly import KeyedAnomaly
 from mindmon.features.alerts.recipients import build_recipient
 from mindmon.parallel.watchdog import Hang
-from mindmon.progress import Place
+from mindmon.core.progress import Place
 from test_alert_webhook import key_of, records
 from test_alerts import email_inform
 from webhook_receiver import Receiver

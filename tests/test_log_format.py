@@ -1,7 +1,7 @@
 """The documented train_state log lines, to the character."""
 import re
 
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.formats.log_lines import format_lines
 from mindmon.sinks.log import LogSink
 

@@ -9,9 +9,9 @@ import os
 
 from mindmon.features.profiler.callback import ProfilerCallback, ProfileWindow
 from mindmon.features.profiler.config import ProfilerConfig
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats.log_lines import format_lines
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.sinks.log import LogSink
 from mindmon.features.moe_tokens.sink import MegatronTokensPerExpertSink
 

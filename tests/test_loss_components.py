@@ -87,7 +87,7 @@ def _train_demo(tmp_path):
     from mindspore import Tensor, nn
 
     from mindmon.demo.model import DemoModelConfig
-    from mindmon.step import AccumulatingTrainStep
+    from mindmon.loop.step import AccumulatingTrainStep
 
     model = make_model()
     optimizer = nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-2)
@@ -187,7 +187,7 @@ def test_a_plain_loop_hands_them_in_and_the_log_line_reads_back(tmp_path, caplog
 def test_a_model_without_the_protocol_is_said_once_and_training_goes_on(tmp_path, caplog):
     from mindspore import Tensor, nn, ops
 
-    from mindmon.step import AccumulatingTrainStep
+    from mindmon.loop.step import AccumulatingTrainStep
 
     net = nn.Dense(3, 1)
     optimizer = nn.SGD(net.trainable_params(), 0.1)

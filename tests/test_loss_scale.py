@@ -151,7 +151,7 @@ def test_accumulating_train_step_scales_skips_and_adjusts(tmp_path):
     not move, the scale is the scaler's own after each step."""
     from mindspore import amp, value_and_grad
 
-    from mindmon.step import AccumulatingTrainStep
+    from mindmon.loop.step import AccumulatingTrainStep
 
     net, optimizer = float16_model()
     scaler = amp.DynamicLossScaler(START_SCALE, FACTOR, WINDOW)

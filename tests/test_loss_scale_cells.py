@@ -145,7 +145,7 @@ def test_model_with_a_fixed_manager_s_cell_skips_every_overflowing_step(tmp_path
 
 def _accumulate(tmp_path, manager):
     """AccumulatingTrainStep given the manager itself. Returns [(manager's scale after the step, skipped)]."""
-    from mindmon.step import AccumulatingTrainStep
+    from mindmon.loop.step import AccumulatingTrainStep
     from mindspore import Tensor
 
     net, optimizer = float16_model()

@@ -5,7 +5,7 @@ sees a failed attempt, retries the same batch, and the table holds every anomaly
 import pytest
 
 from mindmon.features.alerts import AlertConfig, AlertSink
-from mindmon.records import Record
+from mindmon.core.records import Record
 from fault_proxy import MYSQL_COMMIT, POSTGRES_COMMIT, LostCommitProxy
 from test_alert_outages import EVERY_VALUE, QUICK_RETRY, select_rows, url_text
 

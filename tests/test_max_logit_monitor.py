@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mindmon.features.max_logits.monitor import MaxAttentionLogitMonitor
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9
 

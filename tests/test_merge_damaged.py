@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from mindmon.analysis.merge import merge
-from mindmon.engine import RunInfo
-from mindmon.records import Record
+from mindmon.core.engine import RunInfo
+from mindmon.core.records import Record
 from mindmon.sinks import JsonlSink
 
 RANKS, STEPS, K = 3, 4, 2

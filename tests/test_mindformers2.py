@@ -43,7 +43,7 @@ def test_attached_once_with_mindmons_group_as_the_trainers_monitor(run):
     from mindformers.pynative.tools.monitor import MonitorGroup as StockMonitorGroup
     from mindformers.pynative.trainer import Trainer
 
-    from mindmon.group import MonitorGroup
+    from mindmon.core.group import MonitorGroup
     from mindmon.integrations.mindformers_versions import STEP_ADAPTERS
 
     _, _, trainer = run

@@ -1,4 +1,4 @@
-"""The virtual-pipeline name space (mindmon/chunks.py) in one process: msprobe's `<chunk>:` names, targets
+"""The virtual-pipeline name space (mindmon/parallel/chunks.py) in one process: msprobe's `<chunk>:` names, targets
 with and without the prefix, the CSV's vpp_stage column, and the clean errors of set_monitor/process_group.
 The chunks trained on real msrun workers: tests/test_model_parallel.py."""
 import json
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
-from mindmon.chunks import ModelChunks, as_model, names_match, split_chunk
+from mindmon.parallel.chunks import ModelChunks, as_model, names_match, split_chunk
 from mindmon.config import ConfigError
 from mindmon.features.tensor_stats.targets import select_parameters, squash_name
 from mindmon.formats.msprobe_csv import format_row, format_text, header, read_csv
 from mindmon.msprobe import TrainerMon
-from mindmon.records import TensorStatsRecord
+from mindmon.core.records import TensorStatsRecord
 
 
 class Layer(nn.Cell):

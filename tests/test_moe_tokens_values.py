@@ -9,12 +9,12 @@ import pytest
 from mindspore import Parameter, Tensor, nn
 
 from mindmon.config import ConfigError
-from mindmon.engine import CrossRankPayload, CrossRankSizes
+from mindmon.core.engine import CrossRankPayload, CrossRankSizes
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
-from mindmon.events import MicroBatchEnd, StepBegin
+from mindmon.core.events import MicroBatchEnd, StepBegin
 from mindmon.features.moe_tokens.monitor import (MoELayer, MoETokensMonitor,
                                          decoder_layer_count, find_moe_layers, select_layers)
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 EXPERTS = 4
 

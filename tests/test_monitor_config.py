@@ -213,9 +213,9 @@ def test_stable_rank_agrees_with_svd_and_warm_starts():
 def test_log_lines_round_trip_and_parse_log(tmp_path):
     from mindmon.analysis.parse_log import LogParser
     from mindmon.formats.training_state_log import LineReader
-    from mindmon.records import Record
+    from mindmon.core.records import Record
     from mindmon.features.monitor_config.sink import TrainingStateLogSink
-    from mindmon.engine import RunInfo
+    from mindmon.core.engine import RunInfo
 
     section = _parse({"monitor_config": {"monitor_on": True, "local_norm_format": "log", "local_loss_format": "log",
                                          "weight_state_format": ["log"], "device_local_norm_format": "log"}}

@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats import msprobe_csv as fmt
-from mindmon.records import TensorStatsRecord
+from mindmon.core.records import TensorStatsRecord
 from mindmon.features.tensor_stats.sink import MsprobeCsvSink
 
 pytestmark = pytest.mark.ms27   # also runs on MindSpore 2.7 (make test-ms27)

@@ -160,7 +160,7 @@ def test_dump_tag_names_in_msprobe_spelling(tmp_path, monkeypatch):
 def test_yaml_route_keeps_mindmons_tag_names(tmp_path):
     """The YAML route (mindmon's dialect): `<kind>/<name>` in the dump, steps from 1."""
     from mindmon import build_group, parse_sections
-    from mindmon.records import TensorStatsRecord
+    from mindmon.core.records import TensorStatsRecord
 
     section = {"wg_distribution": True, "ops": ["norm"]}
     config = parse_sections({"monitor": {"output_dir": str(tmp_path / "mon"), "tensor_stats": section,

@@ -297,7 +297,7 @@ def test_output_failure_is_logged_once_and_training_goes_on(tmp_path, output_roo
 
 
 def test_from_config_feeds_extra_sinks(tmp_path, output_root):
-    from mindmon.engine import Sink
+    from mindmon.core.engine import Sink
     from mindmon.msprobe import parse_tensor_stats
 
     class Collect(Sink):

@@ -235,7 +235,7 @@ def test_the_parquet_files_equal_the_jsonl_and_merge_equals_the_python_merge(run
 def test_monitor_ranks_pick_who_collects():
     from mindmon.config import ConfigError
     from mindmon import parse_sections
-    from mindmon.factory import build_callbacks, build_group
+    from mindmon.core.factory import build_callbacks, build_group
 
     config = parse_sections({"monitor": {"ranks": [0, 2], "train_state": {"device_loss": True}}})
     assert [build_group(config, rank=r).active for r in range(3)] == [True, False, True]
@@ -251,8 +251,8 @@ def test_plain_loop_lines_carry_the_rank_when_there_are_several(tmp_path, caplog
     import logging
 
     from mindmon import parse_sections
-    from mindmon.distributed import DataParallel
-    from mindmon.factory import build_group
+    from mindmon.parallel.data_parallel import DataParallel
+    from mindmon.core.factory import build_group
 
     two_ranks = DataParallel()
     two_ranks.size, two_ranks.rank = 2, 1

@@ -148,9 +148,9 @@ def test_a_taken_port_switches_the_watchdog_off_with_one_line_and_training_goes_
     import logging
     import socket
 
-    from mindmon.engine import RunInfo
+    from mindmon.core.engine import RunInfo
     from mindmon.parallel.watchdog import PeerWatchdog
-    from mindmon.progress import DATA, PROGRESS
+    from mindmon.core.progress import DATA, PROGRESS
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

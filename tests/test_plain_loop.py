@@ -6,8 +6,8 @@ import pytest
 from mindspore import Tensor, nn
 
 from conftest import read_jsonl
-from mindmon.engine import Monitor
-from mindmon.events import MicroBatchLoss
+from mindmon.core.engine import Monitor
+from mindmon.core.events import MicroBatchLoss
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
 from mindmon.kernels.stats import SquaredNorms
 from scripts.plain_loop_job import Regression

@@ -7,7 +7,7 @@ import pytest
 from mindspore import nn
 
 from mindmon.probes import attach_tokens_per_expert_probes
-from mindmon.names import cells_matching
+from mindmon.core.names import cells_matching
 
 pytestmark = pytest.mark.ms27   # needs neither MindFormers nor MindSpore 2.9
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from mindmon.records import Record, TensorStatsRecord
+from mindmon.core.records import Record, TensorStatsRecord
 
 pytestmark = pytest.mark.ms27
 

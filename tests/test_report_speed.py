@@ -13,8 +13,8 @@ from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_ba
 from mindmon.analysis.report import write_report
 from mindmon.analysis.speed_report import PHASES, RANK_ROWS, step_series, step_time_heat
 from mindmon.analysis.sql import Engine
-from mindmon.engine import RunInfo
-from mindmon.records import Record
+from mindmon.core.engine import RunInfo
+from mindmon.core.records import Record
 from mindmon.sinks.columnar import ColumnarSink
 from mindmon.sinks.jsonl import JsonlSink
 from test_report import images

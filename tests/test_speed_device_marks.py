@@ -10,7 +10,7 @@ import pytest
 from mindspore import Tensor, nn, runtime
 
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
-from mindmon.events import MicroBatchEnd, StepBegin, StepEnd, UpdateDone
+from mindmon.core.events import MicroBatchEnd, StepBegin, StepEnd, UpdateDone
 from mindmon.features.speed.device_marks import DeviceMarks
 from mindmon.features.speed.monitor import SpeedMonitor
 from scripts.plain_loop_job import Regression

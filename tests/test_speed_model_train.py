@@ -10,7 +10,7 @@ from mindspore import nn, ops
 
 from conftest import read_jsonl
 from mindmon import build_group, parse_sections
-from mindmon.progress import DATA, FORWARD_BACKWARD, PROGRESS, UPDATE
+from mindmon.core.progress import DATA, FORWARD_BACKWARD, PROGRESS, UPDATE
 
 pytestmark = [pytest.mark.ms27, pytest.mark.serial]   # serial: step times held to a tolerance
 

@@ -13,12 +13,12 @@ import pytest
 from mindspore import Tensor, nn
 
 from conftest import read_jsonl
-from mindmon.events import (GradientsReduced, MicroBatchEnd, MicroBatchGradients, MicroBatchLoss, ReduceBegin,
+from mindmon.core.events import (GradientsReduced, MicroBatchEnd, MicroBatchGradients, MicroBatchLoss, ReduceBegin,
                             StepBegin, StepLoss, UpdateDone)
 from mindmon import AccumulatingTrainStep, build_group, parse_sections, split_batch
-from mindmon.distributed import DataParallel
-from mindmon.engine import CrossRankPayload, CrossRankSizes, Monitor
-from mindmon.group import MonitorGroup
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.engine import CrossRankPayload, CrossRankSizes, Monitor
+from mindmon.core.group import MonitorGroup
 from test_train_state_values import (K, LR, NAMES, TwoLayer, _batches, _initial_weights, _loss_and_grads,
                                      assert_records_match, expected_records, replay)
 

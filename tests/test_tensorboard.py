@@ -107,10 +107,10 @@ def test_tensorboard_alone_records_the_trainer_values(tmp_path):
 
 
 def test_log_interval_and_queue(tmp_path):
-    from mindmon.records import Record
+    from mindmon.core.records import Record
     from mindmon.sinks.tensorboard import TensorBoardSink
 
-    from mindmon.engine import RunInfo
+    from mindmon.core.engine import RunInfo
 
     sink = TensorBoardSink(str(tmp_path), log_interval=2, queue_size=5)
     sink.open(RunInfo(rank=3))
@@ -127,8 +127,8 @@ def test_two_sinks_in_one_folder_keep_their_own_files(tmp_path):
     import re
     import socket
 
-    from mindmon.engine import RunInfo
-    from mindmon.records import Record
+    from mindmon.core.engine import RunInfo
+    from mindmon.core.records import Record
     from mindmon.sinks.tensorboard import TensorBoardSink
 
     sinks = [TensorBoardSink(str(tmp_path), per_rank=False) for _ in range(2)]

@@ -156,8 +156,8 @@ def test_layer_of_a_parameter_name():
 def test_cross_rank_spread_of_step_values_stays(tmp_path):
     """Rank 0's across_ranks records of two ranks, as written: the step values' spread (loss, step time,
     throughput, tokens per expert) keeps its tags; per-parameter columns go."""
-    from mindmon.engine import RunInfo
-    from mindmon.records import Record
+    from mindmon.core.engine import RunInfo
+    from mindmon.core.records import Record
     from mindmon.sinks.tensorboard import TensorBoardSink
 
     kept = ["local_loss/max_rank", "device_loss/min", "step_time/step/max", "throughput/samples_per_second/min_rank",
@@ -174,7 +174,7 @@ def test_monitor_config_keeps_mindformers_per_parameter_tags(tmp_path):
     """MindFormers' TrainingStateMonitor names a parameter in its `local_norm/<parameter>` tag: under
     monitor_config the sink leaves the norms per parameter, whatever the detail."""
     from mindmon import build_group, parse_sections
-    from mindmon.records import Record
+    from mindmon.core.records import Record
 
     config = parse_sections({"monitor": {"output_dir": str(tmp_path / "monitor")},
                              "monitor_config": {"monitor_on": True, "local_norm_format": ["tensorboard"]},
@@ -217,7 +217,7 @@ def test_a_bad_section_is_one_line_naming_the_key(tmp_path, section, message):
 def seven_b_step(k_steps=2):
     """One step of a 7B-sized dense model's train_state and rank 0's cross-rank records, as MindFormers'
     Llama names its 291 tensors (32 layers of 9, the embedding, the final norm, the output layer)."""
-    from mindmon.records import Record
+    from mindmon.core.records import Record
 
     per_layer = ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
                  "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
@@ -239,7 +239,7 @@ def seven_b_step(k_steps=2):
 def test_a_7b_sized_models_norm_tags(tmp_path, detail, count):
     """docs/outputs.md's count for 291 tensors: 35 groups (32 layers and 3 tensors of their own), 3 norm
     kinds each, and the loss spread; every parameter's curve and cross-rank columns with `detail: parameter`."""
-    from mindmon.engine import RunInfo
+    from mindmon.core.engine import RunInfo
     from mindmon.sinks.tensorboard import TensorBoardSink
 
     names, records = seven_b_step()

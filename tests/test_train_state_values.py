@@ -215,7 +215,7 @@ def test_monitor_alone_writes_only_what_was_recorded_and_forgets_it_at_collect()
     """The monitor outside the loop: a step with no device loss or device gradient recorded writes
     neither; after collect nothing of the step is left for the next one."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
+    from mindmon.core.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss
     from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": True, "local_loss": True,
@@ -241,7 +241,7 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
     """With several ranks the loop hands the data-parallel mean to `device_norm`: its norm is written,
     not this rank's accumulated one; local norms stay this rank's own. Filters pick the names."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients
+    from mindmon.core.events import GradientSnapshot, GradientsReduced, MicroBatchGradients
     from mindmon.features.train_state.monitor import TrainStateMonitor
 
     config = TrainStateConfig.parse("monitor.train_state", {"local_norm": "a", "device_norm": "b"})
@@ -261,7 +261,7 @@ def test_device_norm_of_the_reduced_gradient_when_one_is_given():
 def test_a_given_way_of_taking_norms_is_the_one_used():
     """`norms=` swaps in another SquaredNorms (the overhead benchmark does): the monitor must use it."""
     from mindmon.features.train_state.config import TrainStateConfig
-    from mindmon.events import GradientSnapshot, MicroBatchGradients
+    from mindmon.core.events import GradientSnapshot, MicroBatchGradients
     from mindmon.features.train_state.monitor import TrainStateMonitor
     from mindmon.kernels.stats import SquaredNorms
 

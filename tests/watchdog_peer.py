@@ -9,9 +9,9 @@ line `close` stops the watchdog, `exit` ends without stopping it, `raise` ends o
 import logging
 import sys
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.parallel.watchdog import PeerWatchdog
-from mindmon.progress import DATA, PROGRESS
+from mindmon.core.progress import DATA, PROGRESS
 
 
 def main(rank: int, world: int, host: str, port: int, silence: float, steps: int) -> None:

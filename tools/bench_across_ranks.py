@@ -20,7 +20,7 @@ import numpy as np
 
 def monitor_for(ranks: int, params: int):
     from mindmon.config import ParamFilter
-    from mindmon.distributed import DataParallel
+    from mindmon.parallel.data_parallel import DataParallel
     from mindmon.features.across_ranks.monitor import AcrossRanksMonitor
     from mindmon.features.train_state.config import TrainStateConfig
 
@@ -33,8 +33,8 @@ def monitor_for(ranks: int, params: int):
 def one_step(monitor, step: int, micro: int, params: int, rng, sinks) -> dict:
     from mindspore import Tensor
 
-    from mindmon.engine import CrossRankPayload
-    from mindmon.events import GradientSnapshot, MicroBatchGradients, MicroBatchLoss
+    from mindmon.core.engine import CrossRankPayload
+    from mindmon.core.events import GradientSnapshot, MicroBatchGradients, MicroBatchLoss
     from mindmon.kernels.stats import MicroStepNorms
 
     for k in range(micro):
@@ -58,7 +58,7 @@ def one_step(monitor, step: int, micro: int, params: int, rng, sinks) -> dict:
 
 
 def measure(ranks: int, params: int, micro: int, steps: int) -> dict:
-    from mindmon.engine import RunInfo
+    from mindmon.core.engine import RunInfo
     from mindmon.sinks.jsonl import JsonlSink
     from mindmon.sinks.tensorboard import TensorBoardSink
 

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from mindmon.features.alerts import AlertConfig, AlertSink
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 STATISTICS = ("norm", "min", "max", "mean", "zeros", "nans")
 

@@ -169,7 +169,7 @@ class TimedGroup:
         return self.group.should_record(key) and not (self.own_norms and key == "local_norm")
 
     def should_take(self, event_type: type) -> bool:
-        from mindmon.events import MicroBatchGradients
+        from mindmon.core.events import MicroBatchGradients
 
         return self.group.should_take(event_type) and not (self.own_norms and event_type is MicroBatchGradients)
 
@@ -196,7 +196,7 @@ class TimedGroup:
         self._timed(True, self.group.record, key, value, context)
 
     def emit(self, event) -> None:
-        from mindmon.events import MicroBatchGradients
+        from mindmon.core.events import MicroBatchGradients
 
         if self.own_norms and isinstance(event, MicroBatchGradients):
             event = MicroBatchGradients(event.micro_step, replace(event.gradients, squared_norms=None))
@@ -215,9 +215,9 @@ class TimedGroup:
 def _build_group(name: str, work: "Workload", out_dir: Path, monitor: Optional[dict], max_logits: bool,
                  host_sync_norms: bool, on_host: bool = True):
     from mindmon import build_group, parse_sections
-    from mindmon.factory import build
+    from mindmon.core.factory import build
     from mindmon.features.train_state.monitor import TrainStateMonitor
-    from mindmon.group import MonitorGroup
+    from mindmon.core.group import MonitorGroup
 
     logger = _file_logger(name, out_dir / name / "info.log")
     callbacks = [{"type": "MaxLogitsMonitor", "step_interval": 1}] if max_logits else []
@@ -430,7 +430,7 @@ class L2Configuration(Configuration):
             make = getattr(l2_hooks, factory)
             setattr(l2_hooks, factory, lambda recorder, row, collecting, make=make:
                     self.timer.wrap(make(recorder, row, collecting), True))
-        from mindmon.group import MonitorGroup
+        from mindmon.core.group import MonitorGroup
 
         monitor, _ = l2_hooks.attach_l2_features(self.work.model, on_host=True)
         built = self.group.group   # the same sinks, with the L2 features' monitor

@@ -21,7 +21,7 @@ from typing import List, Tuple
 import numpy as np
 
 from mindmon.formats import columnar, jsonl
-from mindmon.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
+from mindmon.core.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
 
 TOOLS = {
     "merge": lambda run, out: ["merge", run, "-o", os.path.join(out, "merged.csv")],

@@ -22,7 +22,7 @@ SCRATCH="${MUTATION_DIR:-/tmp/mindmon-mutation}"
 tests_for() {
   case "$1" in
     mindmon/kernels/stats.py) echo "tests/test_stats.py tests/test_direct_view.py tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_paths.py" ;;
-    mindmon/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_values.py tests/test_stats.py tests/test_step_paths.py" ;;
+    mindmon/loop/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_values.py tests/test_stats.py tests/test_step_paths.py" ;;
     mindmon/features/train_state/monitor.py) echo "tests/test_train_state_values.py" ;;
     mindmon/features/moe_tokens/monitor.py) echo "tests/test_moe_tokens_values.py tests/test_moe_tokens.py tests/test_probes.py" ;;
     mindmon/kernels/one_pass.py|mindmon/kernels/compiled.py) echo "tests/test_one_pass.py tests/test_tensor_stats_ops.py" ;;
@@ -32,7 +32,7 @@ tests_for() {
     mindmon/features/tensor_stats/activations.py) echo "tests/test_activations.py tests/test_activations_yaml.py" ;;
     mindmon/formats/msprobe_csv.py) echo "tests/test_msprobe_csv.py tests/test_msprobe_trainer_mon.py tests/test_activations.py" ;;
     mindmon/features/max_logits/monitor.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
-    mindmon/distributed.py) echo "tests/test_distributed_collectives.py" ;;
+    mindmon/parallel/data_parallel.py) echo "tests/test_distributed_collectives.py" ;;
     mindmon/features/max_logits/probe.py) echo "tests/test_max_logit_probe_values.py tests/test_probes_gqa.py tests/test_probes.py" ;;
     mindmon/features/moe_tokens/probe.py) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
@@ -41,7 +41,7 @@ tests_for() {
 
 cd "$REPO"
 if [ "$#" -eq 0 ]; then
-  set -- mindmon/kernels/stats.py mindmon/step.py mindmon/distributed.py mindmon/features/train_state/monitor.py \
+  set -- mindmon/kernels/stats.py mindmon/loop/step.py mindmon/parallel/data_parallel.py mindmon/features/train_state/monitor.py \
     mindmon/features/moe_tokens/monitor.py mindmon/features/max_logits/monitor.py mindmon/features/max_logits/probe.py \
     mindmon/features/moe_tokens/probe.py
 fi

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from mindmon.records import DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LOCAL_LOSS, LOSS
+from mindmon.core.records import DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LOCAL_LOSS, LOSS
 
 HEAT_COLUMNS = 600
 FACTOR = 5.0

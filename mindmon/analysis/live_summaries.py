@@ -4,7 +4,7 @@ the mean) per step, and the ranks that most often held the largest value of a co
 import html
 from typing import List, Optional, Tuple
 
-from mindmon.records import ACROSS_RANKS
+from mindmon.core.records import ACROSS_RANKS
 
 TOP = 10
 BAND = ("device_loss/min", "device_loss/mean", "device_loss/max")

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mindmon.records import LOCAL_LOSS, MICRO_NORM
+from mindmon.core.records import LOCAL_LOSS, MICRO_NORM
 from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, Engine
 
 PER_RANK_KINDS = (LOCAL_LOSS, MICRO_NORM)

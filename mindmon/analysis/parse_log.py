@@ -17,10 +17,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats import log_lines, megatron_tpe, training_state_log
-from mindmon.formats.layout import rank_in_path
-from mindmon.records import (SLOW_RANK, THROUGHPUT_DROP, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
+from mindmon.formats.run_folder import rank_in_path
+from mindmon.core.records import (SLOW_RANK, THROUGHPUT_DROP, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM, LOSS,
                        LOSS_COMPONENT_STEP, MAX_ATTENTION_LOGIT, SAMPLES, TOKENS_PER_EXPERT, Record)
 from mindmon.sinks.jsonl import JsonlSink
 

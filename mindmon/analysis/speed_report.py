@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from mindmon.features.speed.monitor import PHASES
-from mindmon.records import HANG, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT
+from mindmon.core.records import HANG, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT
 
 HEAT_COLUMNS = 600   # the heat map's columns: about the picture's width in pixels
 RANK_ROWS = 32       # ranks listed in the step-time table; a larger run lists its slowest

@@ -10,9 +10,9 @@ Example:
 import sys
 from typing import Iterator, List, Tuple
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats.columnar import records_of
-from mindmon.records import SAMPLES, Record
+from mindmon.core.records import SAMPLES, Record
 from mindmon.sinks.tensorboard import TensorBoardSink
 from mindmon.analysis.sql import DEFAULT_MEMORY_LIMIT, Engine
 

@@ -1,6 +1,6 @@
 """The registry: every capability mindmon has, one line each. A capability is one folder here holding its
 section's parser, its monitors, hooks, probes and sinks, and its registration (`FEATURE`, a
-mindmon.engine.Feature). The factory builds every group from this list, in this order (its sinks are
+mindmon.core.engine.Feature). The factory builds every group from this list, in this order (its sinks are
 written in this order too). Adding one: docs/architecture.md, "Adding a capability".
 """
 from typing import List

@@ -29,8 +29,8 @@ import os
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from mindmon.extras import require
-from mindmon.records import Record, TensorStatsRecord
-from mindmon.formats.layout import rank_dir, rank_in_path
+from mindmon.core.records import Record, TensorStatsRecord
+from mindmon.formats.run_folder import rank_dir, rank_in_path
 from mindmon.formats.step_file import StepFile
 
 PARQUET_FILE = "metrics.parquet"

@@ -24,8 +24,8 @@ from itertools import repeat
 from operator import attrgetter
 from typing import List, Sequence, Tuple
 
-from mindmon.records import Record, TensorStatsRecord
-from mindmon.formats.layout import rank_dir, rank_in_path
+from mindmon.core.records import Record, TensorStatsRecord
+from mindmon.formats.run_folder import rank_dir, rank_in_path
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -30,7 +30,7 @@ from itertools import compress, groupby, repeat
 from operator import attrgetter, eq, is_not
 from typing import Dict, List, Optional
 
-from mindmon.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
+from mindmon.core.records import (DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, LOSS_COMPONENT_STEP, LOSS_SCALE,
                        LOSS_SCALE_KINDS,
                        MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, OVERFLOW, SKIPPED_STEPS,
                        TOKENS_PER_EXPERT, UPDATE_SKIPPED, ETA, MEMORY, MFU, SLOW_RANK, SPEED_KINDS, STEP_TIME, THROUGHPUT, THROUGHPUT_DROP,

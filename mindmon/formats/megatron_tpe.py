@@ -11,7 +11,7 @@ import json
 import os
 from typing import Dict, List, Union
 
-from mindmon.records import TOKENS_PER_EXPERT, Record
+from mindmon.core.records import TOKENS_PER_EXPERT, Record
 
 
 def tokens_per_expert_path(output_dir: str, rank: int) -> str:

@@ -12,7 +12,7 @@ One file holds `step_count_per_record` consecutive steps (files start at multipl
     vpp_stage,name,step[,micro_step],<ops in config order>,shape,dtype
 
 one row per tensor and step: `vpp_stage` the model chunk (a record named `"1:layers.0.w"` is written
-`1,layers.0.w`; a name without a chunk prefix is chunk 0's: mindmon.chunks), `name` the parameter, `step` 0-based (the optimizer step
+`1,layers.0.w`; a name without a chunk prefix is chunk 0's: mindmon.parallel.chunks), `name` the parameter, `step` 0-based (the optimizer step
 index), `micro_step` only in files of per-micro-batch rows, statistics rounded to `ndigits` decimal
 places (or significant digits), `shape` as `"(16, 8)"`, `dtype` as MindSpore prints it (`Float32`).
 Records carry 1-based steps (the engine's convention): the CSV step is `record.step - 1`.
@@ -35,9 +35,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mindmon.chunks import chunk_name, split_chunk
+from mindmon.parallel.chunks import chunk_name, split_chunk
 from mindmon.kernels.rounded_text import rounded_lines
-from mindmon.records import TensorStatsRecord
+from mindmon.core.records import TensorStatsRecord
 from mindmon.formats.step_file import append_whole
 
 OUTPUT_DIR_ENV = "MONITOR_OUTPUT_DIR"

@@ -7,7 +7,7 @@ msprobe names every collected tensor by a tag name and writes each statistic as 
     <vpp_stage>:<module or parameter>[:<micro_step>]/rank<r>/<point>       e.g. 0:fc1.weight/rank0/post_grad
     0:fc1.weight/rank0/post_grad_norm                                        its `norm` in TensorBoard
 
-`vpp_stage` is 0 for a single model, the chunk for a virtual pipeline's (mindmon.chunks: its names
+`vpp_stage` is 0 for a single model, the chunk for a virtual pipeline's (mindmon.parallel.chunks: its names
 already begin with it, `1:fc1.weight`); the micro-step is part of the name for per-micro-step values
 (activations, `grad_unreduced` with `monitor_mbs_grad`). mindmon's points map to msprobe's as follows:
 

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Dict
 
-from .layout import rank_dir, rank_in_path
+from .run_folder import rank_dir, rank_in_path
 
 LAYOUT_FILE = "layout.json"
 

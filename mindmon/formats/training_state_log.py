@@ -17,7 +17,7 @@ plots something else: the micro-batch loss as `local_lm_loss`).
 import re
 from typing import Dict, List, Optional, Tuple
 
-from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
+from mindmon.core.records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
                        MAX_ATTENTION_LOGIT_MEAN, Record)
 from mindmon.formats.log_lines import NUMBER
 

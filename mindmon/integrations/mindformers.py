@@ -24,8 +24,8 @@ from mindmon.callbacks import MaxLogitsMonitor
 from mindmon.features.max_logits.callback import MaxLogitsReset
 from mindmon.config import PASSTHROUGH_MONITOR_KEYS, ConfigError, MindmonConfig, load_yaml
 from mindmon.features import parse_sections
-from mindmon.distributed import DataParallel
-from mindmon.factory import assemble
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.factory import assemble
 from mindmon.features.max_logits import MAX_LOGITS_CALLBACK, MaxLogitsSection
 from mindmon.features.max_logits.config import MAX_LOGITS_RESET
 from mindmon.integrations.mindformers_versions import (SUPPORTED_VERSIONS, TrainerVersion, model_chunks,

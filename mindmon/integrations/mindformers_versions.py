@@ -13,7 +13,7 @@ turned into mindmon's step.
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from mindmon.step import AccumulatingTrainStep, split_batch
+from mindmon.loop.step import AccumulatingTrainStep, split_batch
 
 
 def _micro_batches_of_batch(trainer, inputs):
@@ -25,7 +25,7 @@ def _fetched_micro_batches(trainer):
 
 
 def run_step(trainer, micro_batches):
-    """mindmon's step on the Trainer: K forward/backward passes, one update (mindmon.step), built at the
+    """mindmon's step on the Trainer: K forward/backward passes, one update (mindmon.loop.step), built at the
     first step from what `_attach` left on the trainer."""
     state = trainer._mindmon
     # 2.1's dynamic batch changes K between steps; each micro-batch loss is scaled by the step's own 1/K

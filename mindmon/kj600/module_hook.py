@@ -27,7 +27,7 @@ from typing import Optional
 
 from mindmon.features.tensor_stats.config import (RUN_FOLDER_TIME_FORMAT, TensorStatsConfig, parse_tensor_stats,
                                                  read_config_json)
-from mindmon.distributed import DataParallel
+from mindmon.parallel.data_parallel import DataParallel
 from mindmon.msprobe.trainer_mon import TrainerMon as MsprobeTrainerMon
 from mindmon.sinks.tensorboard import msprobe_tensorboard_sink
 

@@ -22,7 +22,7 @@ from datetime import datetime
 from itertools import groupby
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mindmon.chunks import split_chunk
+from mindmon.parallel.chunks import split_chunk
 from mindmon.formats.msprobe_csv import RUN_FOLDER_TIME_FORMAT, read_csv
 
 DATA_TYPES = ("actv", "actv_grad", "exp_avg", "exp_avg_sq", "grad_unreduced", "grad_reduced", "param_origin",

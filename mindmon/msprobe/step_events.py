@@ -1,11 +1,11 @@
-"""The step's events (mindmon/events.py) told from TrainerMon's hooks, for the speed monitor (docs/speed.md).
+"""The step's events (mindmon/core/events.py) told from TrainerMon's hooks, for the speed monitor (docs/speed.md).
 
 msprobe's loop is the user's own: mindmon sees the model's forward calls and the optimizer's call, so that
 is where the step's moments are taken:
 
     StepBegin          the model's first forward of the step (training mode)
     MicroBatchEnd(k)   the forward of micro-batch k + 1 begins, or the optimizer is called (the last one);
-                       its samples and tokens from the model's first input (mindmon.step.batch_size)
+                       its samples and tokens from the model's first input (mindmon.loop.step.batch_size)
     GradientsReduced   the optimizer is called (no `reduce` phase: the loop's collectives are its own)
     UpdateDone         the optimizer returns
     StepEnd            right after, with every record of the step (`group.flush`)
@@ -16,9 +16,9 @@ records, `param_updated`, are taken before the flush).
 """
 from typing import Callable, List, Optional, Tuple
 
-from mindmon.events import GradientsReduced, MicroBatchEnd, StepBegin, UpdateDone
-from mindmon.optimizer_hooks import hook_optimizer_calls
-from mindmon.step import batch_size
+from mindmon.core.events import GradientsReduced, MicroBatchEnd, StepBegin, UpdateDone
+from mindmon.core.optimizer_hooks import hook_optimizer_calls
+from mindmon.loop.step import batch_size
 
 
 class StepEvents:

@@ -17,10 +17,10 @@ import os
 import warnings
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
-from mindmon.chunks import as_model
+from mindmon.parallel.chunks import as_model
 from mindmon.config import ConfigError, MindmonConfig, MonitorConfig, is_int
-from mindmon.distributed import DataParallel
-from mindmon.engine import Sink
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.engine import Sink
 from mindmon.features.tensor_stats.config import TensorStatsConfig, load_config_json, parse_ops
 from mindmon.features.tensor_stats.dynamic import ConfigWatcher, dynamic_mode
 from mindmon.features.tensor_stats.hooks import TensorStatsHooks, attachment
@@ -117,7 +117,7 @@ class TrainerMon:
         start_iteration=0)` and the documented `(model, grad_acc_steps, optimizer, dp_group=None,
         tp_group=None, start_iteration=0)`, told apart by the second argument (an optimizer has
         `.parameters`). `model` may be the list of a virtual pipeline's chunks: their names get msprobe's
-        `<chunk>:` prefix (mindmon.chunks) and the CSV's `vpp_stage` column is the chunk. Checks everything
+        `<chunk>:` prefix (mindmon.parallel.chunks) and the CSV's `vpp_stage` column is the chunk. Checks everything
         before training. With DYNAMIC_MONITOR=True only the step-end hook is attached until config.json says
         `dynamic_on: true` (mindmon/features/tensor_stats/dynamic.py). `later` (mindmon's): the configuration
         that applies once `take_optimizer` gives the optimizer it needs; the outputs are built for it."""
@@ -176,7 +176,7 @@ class TrainerMon:
         """The group (built by the factory from the translated config: `later`'s, when it is given, which
         asks for as much or more) and the feature's hooks, running `config` for now. `timed`: the step
         events' hooks end every step (StepEvents), not the statistics' hooks at the collected ones."""
-        from mindmon.factory import assemble
+        from mindmon.core.factory import assemble
 
         outputs_for = later or config
         sections = {"tensor_stats": outputs_for, "alert": outputs_for.alert}

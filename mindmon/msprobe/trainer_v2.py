@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mindmon.compat import named_cells
 from mindmon.config import ConfigError, MindmonConfig, MonitorConfig
-from mindmon.distributed import DataParallel
+from mindmon.parallel.data_parallel import DataParallel
 from mindmon.features.tensor_stats.config import parse_tensor_stats
 from mindmon.features.tensor_stats.hooks import attachment
 from mindmon.features.tensor_stats.points import EXP_AVG, EXP_AVG_SQ
@@ -75,7 +75,7 @@ class TrainerMonitorV2:
                         "optimizer's call (where its gradients and parameters are read), step() only counts")
         sink = MonitorV2CsvSink(config.output_dir, self.rank, {n: m.ops for n, m in config.monitors.items()},
                                 grad_acc_steps, config.start_step, config.step_count_per_record)
-        from mindmon.factory import assemble
+        from mindmon.core.factory import assemble
 
         run = assemble(MindmonConfig(MonitorConfig(output_dir=config.output_dir, sections=sections)), rank=self.rank,
                        logger=logger, parameter_names=(), outputs=[sink], data_parallel=DataParallel())

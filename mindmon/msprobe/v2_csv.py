@@ -27,12 +27,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mindmon.engine import Sink
+from mindmon.core.engine import Sink
 from mindmon.features.collectives.hooks import CC_POST, CC_PRE
 from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, EXP_AVG, EXP_AVG_SQ, GRAD_REDUCED, GRAD_UNREDUCED,
                                                   PARAM_ORIGIN, PARAM_UPDATED)
 from mindmon.formats.msprobe_tags import CC_PREFIXES, tag_name
-from mindmon.records import TensorStatsRecord
+from mindmon.core.records import TensorStatsRecord
 
 logger = logging.getLogger("mindmon")
 

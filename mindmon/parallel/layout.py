@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from ..config import ConfigError
-from ..distributed import DataParallel
+from mindmon.parallel.data_parallel import DataParallel
 
 AXES = ("dp", "tp", "pp", "ep", "cp")
 # The axes a parameter can be split over; `pp` never is (a stage holds its own parameters) and `dp` holds

@@ -1,10 +1,10 @@
 """The step's model-parallel sums: one packed SUM all-reduce per group, in the order the data allows.
 
-After the data-parallel reduction (mindmon.distributed) every rank holds the gradients the optimizer
+After the data-parallel reduction (mindmon.parallel.data_parallel) every rank holds the gradients the optimizer
 applies, for its shards of its stage's parameters. Then:
 
     tp (and cp)  [this rank's share of the global squared norm] + the monitors' `shards` parts
-                 (mindmon.engine.CrossRankPayload: every split parameter's full squared norm) + their
+                 (mindmon.core.engine.CrossRankPayload: every split parameter's full squared norm) + their
                  `job` parts
     ep           [the share so far] + the `job` parts: experts held by other ranks
     pp           [the share so far, the micro-batch losses, the step's mean loss] + the `job` parts: the
@@ -57,7 +57,7 @@ class ModelParallelSums:
 
     `squared_norms`: this rank's squared norm of every gradient, in the order of `names` (the optimizer's
     parameters); `losses`: the micro-batch losses (floats; zeros off the last stage); `exchange`: the
-    monitors' cross-rank payloads of the step (mindmon.cross_rank.CrossRankExchange), or None.
+    monitors' cross-rank payloads of the step (mindmon.core.cross_rank.CrossRankExchange), or None.
     """
 
     def __init__(self, layout, names: Sequence[str]):

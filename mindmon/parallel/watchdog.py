@@ -11,7 +11,7 @@ threads are held for a while (a long call that keeps the GIL, a stopped process)
 waits `SETTLE` seconds after the first loss, so the ranks of one node are named together, then logs
 one line and answers every survivor's next heartbeat with it. A rank that loses rank 0 says so itself.
 
-Each heartbeat also carries the rank's place in its step (mindmon.progress: step, phase, since when).
+Each heartbeat also carries the rank's place in its step (mindmon.core.progress: step, phase, since when).
 Rank 0 declares a hang when no rank has moved for `hang_after` seconds: it logs one line
 naming the ranks whose (step, phase) differ from the majority's, writes its threads' stacks
 (faulthandler), hands the event to `on_hang`, and answers every heartbeat with the line until some rank
@@ -37,9 +37,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Service
-from mindmon.formats.layout import rank_dir
-from mindmon.progress import DATA, PHASES, PROGRESS, Place
+from mindmon.core.engine import RunInfo, Service
+from mindmon.formats.run_folder import rank_dir
+from mindmon.core.progress import DATA, PHASES, PROGRESS, Place
 
 INTERVAL = 1.0    # seconds between a rank's heartbeats
 SILENCE = 10.0    # seconds without an answer from a rank's machine (to keepalive probes or data): lost
@@ -70,7 +70,7 @@ def peer_watchdog(logger, hang_after: Optional[float] = None, output_dir: Option
     `output_dir`: the run's output folder, each rank's stacks go to its `rank_<r>/` (None: to stderr);
     `on_hang`: called on rank 0's watchdog thread with each hang it declares; `on_lost`: called on rank 0's
     watchdog thread with the lost ranks and the line, when it names them."""
-    from mindmon.distributed import DataParallel
+    from mindmon.parallel.data_parallel import DataParallel
 
     world, address = DataParallel(), endpoint()
     if not world.active or address is None:
@@ -145,7 +145,7 @@ def hang_summary(places: Dict[int, Place]) -> Tuple[Tuple[int, str], List[int], 
 
 class PeerWatchdog(Service):
     """The group starts it when it opens (its thread begins beating or listening) and stops it when it closes
-    (a goodbye, then the thread ends). It reads where training is from mindmon.progress, never from records."""
+    (a goodbye, then the thread ends). It reads where training is from mindmon.core.progress, never from records."""
 
     def __init__(self, rank: int, world: int, address: Tuple[str, int], logger, silence: float = SILENCE,
                  interval: float = INTERVAL, startup: float = STARTUP, hang_after: Optional[float] = None,

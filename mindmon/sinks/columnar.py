@@ -5,11 +5,11 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from mindmon.config import ConfigError
-from mindmon.engine import RunInfo, Sink
+from mindmon.core.engine import RunInfo, Sink
 from mindmon.formats import columnar
-from mindmon.formats.layout import RunLock, rank_dir
+from mindmon.formats.run_folder import RunLock, rank_dir
 from mindmon.extras import MissingExtraError
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.sinks.lines import claim_folder, unwritable
 
 logger = logging.getLogger("mindmon")

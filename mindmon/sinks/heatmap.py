@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from mindmon.formats.histogram import row_labels
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 
 def draw(columns: np.ndarray, steps: List[int], title: str) -> np.ndarray:

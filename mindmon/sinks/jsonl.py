@@ -2,9 +2,9 @@
 import os
 from typing import List, Sequence
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.formats import jsonl, parallel_layout
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.sinks.lines import LinesFileSink, claim_folder
 
 

@@ -4,10 +4,10 @@ import os
 from typing import List, Optional, Sequence
 
 from mindmon.config import ConfigError
-from mindmon.engine import RunInfo, Sink
-from mindmon.formats.layout import RunLock
+from mindmon.core.engine import RunInfo, Sink
+from mindmon.formats.run_folder import RunLock
 from mindmon.formats.step_file import StepFile
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 
 def unwritable(config_key: str, configured: str, path: str, error: Exception) -> ConfigError:

@@ -2,9 +2,9 @@
 import logging
 from typing import List, Optional, Sequence
 
-from mindmon.engine import RunInfo, Sink
+from mindmon.core.engine import RunInfo, Sink
 from mindmon.formats.log_lines import format_lines
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 
 class LogSink(Sink):

@@ -1,7 +1,7 @@
 """The sinks of `monitor.metrics_formats`: the per-rank files every record goes to."""
 from typing import Dict, List, Optional
 
-from mindmon.engine import Sink
+from mindmon.core.engine import Sink
 
 
 def metrics_sinks(formats, output_dir: str, coordinates: Optional[Dict[str, int]] = None, layout=None) -> List[Sink]:

@@ -6,7 +6,7 @@ Tags follow Megatron-LM where it has one (`lm loss`, `grad-norm`, `learning-rate
 `skipped_steps`), and `<kind>/<name>[/<index>]` otherwise (the max attention logit over every head of every
 layer is Megatron's `max_attention_logit`, their mean `max_attention_logit/mean`). Step-level values are
 plotted against the training step; micro-step values against the global micro-step
-(mindmon.formats.layout).
+(mindmon.formats.run_folder).
 With `vs_samples` and the global batch size known, every tag is written a second time as
 `<tag>_vs_samples` (Megatron's `<tag> vs samples`), against the samples consumed so far.
 
@@ -24,12 +24,12 @@ import os
 from collections import defaultdict
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink
+from mindmon.core.engine import RunInfo, Sink
 from mindmon.sinks.lines import unwritable
 from mindmon.formats import msprobe_tags
 from mindmon.formats.histogram import HISTOGRAM_KINDS
-from mindmon.formats.layout import global_micro_step, rank_dir
-from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM,
+from mindmon.formats.run_folder import global_micro_step, rank_dir
+from mindmon.core.records import (ACROSS_RANKS, DEVICE_LOSS, DEVICE_NORM, GRAD_NORM, LEARNING_RATE, LOCAL_LOSS, LOCAL_NORM,
                              LOSS, LOSS_SCALE, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN,
                              MICRO_NORM, OVERFLOW, SAMPLES, SKIPPED_STEPS, TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP,
                              UPDATE_SKIPPED, Record, TensorStatsRecord)

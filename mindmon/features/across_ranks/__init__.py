@@ -3,7 +3,7 @@ of the extremes) of every rank's losses, gradient norms and tokens per expert, c
 collectives (docs/multi-rank.md, "Cross-rank summaries, live"); under tensor or context parallelism, over
 the data-parallel replicas, of full parameters (docs/model-parallel.md)."""
 from mindmon.config import ConfigError
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.across_ranks.config import AcrossRanksConfig
 
 PATH = "monitor.across_ranks"

@@ -24,12 +24,12 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
-from mindmon.events import MicroBatchGradients, MicroBatchLoss, StepLoss
+from mindmon.core.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
+from mindmon.core.events import MicroBatchGradients, MicroBatchLoss, StepLoss
 from mindmon.features.across_ranks.summaries import Column, summary_records
 from mindmon.kernels.stats import SquaredNorms, to_float
 from mindmon.parallel.norms import PER_PARAMETER_AXES
-from mindmon.records import (ACROSS_RANKS, DEVICE_LOSS, LOCAL_LOSS, MICRO_NORM,
+from mindmon.core.records import (ACROSS_RANKS, DEVICE_LOSS, LOCAL_LOSS, MICRO_NORM,
                              TOKENS_PER_EXPERT_STEP, Record)
 
 ACCUMULATED_NORM = "accumulated_norm"

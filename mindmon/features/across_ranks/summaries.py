@@ -5,7 +5,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from mindmon.records import ACROSS_RANKS, Record
+from mindmon.core.records import ACROSS_RANKS, Record
 
 # The statistics of one column over the ranks; `min_rank` / `max_rank` are the data-parallel ranks holding
 # the extremes (the first such rank on a tie, and the first rank holding a NaN when there is one).

@@ -15,7 +15,7 @@ from mindmon.features.alerts.delivery import DeliveryReport
 from mindmon.features.alerts.rules import (RULES, AnomalyNan, AnomalyTurbulence, LossSpike, MoELoadImbalance, Rule,
                     scalar_value, tag_and_statistic)
 from mindmon.features.alerts.sink import AlertSink, build_alert_sink, delivery_note
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 
 __all__ = ["AlertActions", "AlertConfig", "AlertSink", "Anomaly", "AnomalyNan", "AnomalyTurbulence",
            "DeliveryReport", "LossSpike", "build_alert_sink", "delivery_note", "MoELoadImbalance", "RULES", "Rule", "RuleConfig",

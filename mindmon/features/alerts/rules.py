@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 from mindmon.formats import msprobe_tags
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 # The statistic of each mindmon record kind. msprobe-style records say theirs in the name's last
 # `/` component (`grad_reduced/fc1.weight/norm`, the TensorBoard tag form).

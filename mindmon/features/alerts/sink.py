@@ -20,9 +20,9 @@ import threading
 from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mindmon.chunks import has_chunk, split_chunk
-from mindmon.engine import RunInfo, Sink
-from mindmon.records import SLOW_RANK, THROUGHPUT_DROP, Record, TensorStatsRecord
+from mindmon.parallel.chunks import has_chunk, split_chunk
+from mindmon.core.engine import RunInfo, Sink
+from mindmon.core.records import SLOW_RANK, THROUGHPUT_DROP, Record, TensorStatsRecord
 from mindmon.features.alerts.actions import AlertActions
 from mindmon.features.alerts.anomaly import Anomaly
 from mindmon.features.alerts.config import AlertConfig
@@ -165,7 +165,7 @@ class AlertSink(Sink):
                    f"on rank {record.rank}: {verdict.detail}.")
         mates = self.group_mates if self.group_mates is not None else [record.rank]
         pp_stage, vpp_stage = self.stages
-        if has_chunk(record.name):   # a virtual pipeline's chunk (mindmon.chunks)
+        if has_chunk(record.name):   # a virtual pipeline's chunk (mindmon.parallel.chunks)
             vpp_stage = split_chunk(record.name)[0]
         return Anomaly(record.rank, step, record.micro_step, self._calls, record.kind, record.name, tag,
                        statistic, x, verdict.rule_name, message, pp_stage, vpp_stage, group_mates=mates)
@@ -325,7 +325,7 @@ def build_alert_sink(config: AlertConfig, output_dir: str, rank: int = 0, logger
 
 
 def _world_size() -> int:
-    from mindmon.distributed import DataParallel
+    from mindmon.parallel.data_parallel import DataParallel
 
     return DataParallel().size
 

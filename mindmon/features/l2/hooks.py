@@ -10,7 +10,7 @@ import inspect
 import logging
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from mindmon.chunks import names_match
+from mindmon.parallel.chunks import names_match
 from mindmon.config import ConfigError
 from mindmon.features.l2.monitor import ATTENTION_HOOK, LINEAR_HOOK, L2FeaturesMonitor
 from mindmon.features.l2.config import L2Config, warn_once
@@ -39,7 +39,7 @@ def takes_query_and_key(cell) -> bool:
 
 def find_cells(model, names: Sequence[str], key_path: str) -> List[Tuple[str, object]]:
     """(name, cell) of the cells each configured name names, with or without a model chunk's `<c>:` prefix
-    (mindmon.chunks); one that names none is a ConfigError."""
+    (mindmon.parallel.chunks); one that names none is a ConfigError."""
     cells = dict(model.cells_and_names())
     found = []
     for name in names:
@@ -153,7 +153,7 @@ def _attach_collectives(config, cc, steps, monitor, collecting, handles: List, r
     """cc_distribution: the collective wrappers (and, with cc_log_only, the stop), appended to `handles` as
     they are made so that a refusal half-way leaves nothing behind."""
     from mindmon.features.collectives.hooks import CollectivePatch, StopAfterLogging
-    from mindmon.optimizer_hooks import hook_optimizer_calls
+    from mindmon.core.optimizer_hooks import hook_optimizer_calls
 
     if cc is None or not cc.active:
         return

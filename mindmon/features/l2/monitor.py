@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mindmon.engine import Monitor
-from mindmon.records import Record, TensorStatsRecord
+from mindmon.core.engine import Monitor
+from mindmon.core.records import Record, TensorStatsRecord
 from mindmon.kernels.stats import host_array
 
 ATTENTION_HOOK = "attention_hook"   # CSV prefix and record kind, as msprobe names the feature group

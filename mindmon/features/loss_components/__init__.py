@@ -1,6 +1,6 @@
 """`monitor.loss_components`: the parts of the model's loss (language model, load balancing, z-loss, MTP),
 per micro-batch and per step, with Megatron's TensorBoard names."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.loss_components.config import LossComponentsConfig
 
 

@@ -16,10 +16,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
-from mindmon.events import LossComponents, MicroBatchEnd
+from mindmon.core.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
+from mindmon.core.events import LossComponents, MicroBatchEnd
 from mindmon.kernels.stats import to_float
-from mindmon.records import LOSS_COMPONENT, LOSS_COMPONENT_STEP, Record
+from mindmon.core.records import LOSS_COMPONENT, LOSS_COMPONENT_STEP, Record
 
 
 class LossComponentsMonitor(Monitor):

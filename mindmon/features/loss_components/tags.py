@@ -5,7 +5,7 @@
 language-model component's."""
 import re
 
-from mindmon.records import LOSS, LOSS_COMPONENT, LOSS_COMPONENT_STEP
+from mindmon.core.records import LOSS, LOSS_COMPONENT, LOSS_COMPONENT_STEP
 
 # What tensorboardX does to a tag with other characters (and logs at every call): each becomes "_".
 NOT_IN_A_TAG = re.compile(r"[^-/\w.]")

@@ -1,5 +1,5 @@
 """`monitor.loss_scale`: the loss scale of mixed-precision training, overflowed steps and skipped updates."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.loss_scale.config import LossScaleConfig
 
 

@@ -19,11 +19,11 @@ The loop hands them in once per step, after the scaler's adjustment and the (pos
 """
 from typing import List, Optional
 
-from mindmon.engine import Monitor
-from mindmon.events import UpdateDone
-from mindmon.loss_scaling import scale_of
+from mindmon.core.engine import Monitor
+from mindmon.core.events import UpdateDone
+from mindmon.loop.loss_scaling import scale_of
 from mindmon.kernels.stats import to_float
-from mindmon.records import LOSS_SCALE, OVERFLOW, SKIPPED_STEPS, UPDATE_SKIPPED, Record
+from mindmon.core.records import LOSS_SCALE, OVERFLOW, SKIPPED_STEPS, UPDATE_SKIPPED, Record
 
 
 def _flag(value, key: str) -> bool:
@@ -44,7 +44,7 @@ class LossScaleMonitor(Monitor):
         self._step = None
 
     def on_event(self, event) -> None:
-        """`event.loss_scale`: what holds the scale (mindmon.loss_scaling), read now;
+        """`event.loss_scale`: what holds the scale (mindmon.loop.loss_scaling), read now;
         `overflow` a bool or bool Tensor; `skipped` defaults to overflow. The last one of a step wins."""
         overflow = _flag(event.overflow, "overflow")
         skipped = overflow if event.skipped is None else _flag(event.skipped, "skipped")

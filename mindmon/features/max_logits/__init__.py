@@ -1,6 +1,6 @@
 """Max attention logit per head (`MaxLogitsMonitor` in `callbacks:`): the model's running max, reset
 every step, printed every `step_interval` steps."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.max_logits.config import MAX_LOGITS_CALLBACK, MaxLogitsSection
 
 

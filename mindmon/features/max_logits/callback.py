@@ -5,8 +5,8 @@ import sys
 from typing import Dict, List, Optional
 
 from mindmon.features.max_logits.config import check_enable_logging, check_step_interval
-from mindmon.records import MAX_ATTENTION_LOGIT
-from mindmon.trainer_callbacks import TrainerCallback
+from mindmon.core.records import MAX_ATTENTION_LOGIT
+from mindmon.core.trainer_callbacks import TrainerCallback
 
 QK_CLIP_HEADS = "qk_clip_heads"
 

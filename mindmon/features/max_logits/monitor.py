@@ -10,9 +10,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from mindmon.features.max_logits.config import check_step_interval
-from mindmon.distributed import DataParallel
-from mindmon.engine import Monitor
-from mindmon.records import MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, Record
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.engine import Monitor
+from mindmon.core.records import MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX, MAX_ATTENTION_LOGIT_MEAN, Record
 
 
 class MaxAttentionLogitMonitor(Monitor):

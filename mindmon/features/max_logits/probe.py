@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from mindmon.names import cells_matching
+from mindmon.core.names import cells_matching
 
 LAYOUTS = ("BNSD", "BSND", "BSH", "TH")
 

@@ -1,6 +1,6 @@
 """`monitor.moe_monitor`: tokens per expert of every MoE layer, and Megatron's tokens-per-expert file."""
 from mindmon.config import ConfigError
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
 
 

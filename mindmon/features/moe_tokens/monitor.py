@@ -4,7 +4,7 @@ The model keeps a cumulative `tokens_per_expert` count in each MoE layer (MindFo
 the demo's do; `mindmon.probes` adds one to a router that lacks it). The monitor snapshots every
 selected layer's count at step begin and after each micro-step; the difference of two snapshots is
 what one micro-batch routed. A micro-step is written when its global micro-step `iter`
-(mindmon.formats.layout) is a multiple of `save_tokens_per_expert_interval`.
+(mindmon.formats.run_folder) is a multiple of `save_tokens_per_expert_interval`.
 """
 import logging
 import re
@@ -16,10 +16,10 @@ import numpy as np
 from mindmon.compat import named_cells
 from mindmon.config import ConfigError, short_repr
 from mindmon.features.moe_tokens.config import MoEMonitorConfig
-from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
-from mindmon.events import MicroBatchEnd, StepBegin
-from mindmon.formats.layout import global_micro_step
-from mindmon.records import (MOE_CV, MOE_DROPPED_TOKENS, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS,
+from mindmon.core.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
+from mindmon.core.events import MicroBatchEnd, StepBegin
+from mindmon.formats.run_folder import global_micro_step
+from mindmon.core.records import (MOE_CV, MOE_DROPPED_TOKENS, MOE_IDLE_EXPERTS, MOE_MAX_OVER_MEAN, MOE_MAX_TOKENS,
                        MOE_MIN_TOKENS, TOKENS_PER_EXPERT, TOKENS_PER_EXPERT_STEP, Record)
 
 

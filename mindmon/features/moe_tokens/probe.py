@@ -28,7 +28,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from mindmon.names import cells_matching
+from mindmon.core.names import cells_matching
 from mindmon.compat import with_device_of
 
 SELECTIONS = ("topk", "indices", "grouped", "mask")

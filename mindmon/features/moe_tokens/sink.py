@@ -3,7 +3,7 @@ from collections import defaultdict
 from typing import List, Sequence
 
 from mindmon.formats import megatron_tpe
-from mindmon.records import TOKENS_PER_EXPERT, Record
+from mindmon.core.records import TOKENS_PER_EXPERT, Record
 from mindmon.sinks.lines import LinesFileSink
 
 

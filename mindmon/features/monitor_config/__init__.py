@@ -1,7 +1,7 @@
 """MindFormers' graph-mode `monitor_config:` section (with `check_for_nan_in_loss_and_grad`): mapped onto
 train_state, TensorBoard and the MaxLogitsMonitor callback when the config is parsed; its own statistics
 (optimizer and weight state, stable rank, throughput), step guard and log lines when it is built."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.monitor_config.build import build
 from mindmon.features.monitor_config.config import apply_monitor_config
 

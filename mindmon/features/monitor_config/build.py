@@ -3,7 +3,7 @@ train-state and max-logit parts of the section were mapped onto monitor.train_st
 when the config was parsed)."""
 from typing import List
 
-from mindmon.engine import Monitor
+from mindmon.core.engine import Monitor
 
 
 def _statistics(section, model, optimizer, rank: int, on_host: bool, data_parallel, global_batch_size,

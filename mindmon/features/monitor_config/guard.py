@@ -19,9 +19,9 @@ import logging
 import math
 from typing import List, Optional, Sequence
 
-from mindmon.engine import Monitor
-from mindmon.events import StepLoss
-from mindmon.records import Record
+from mindmon.core.engine import Monitor
+from mindmon.core.events import StepLoss
+from mindmon.core.records import Record
 from mindmon.kernels.stats import to_float
 from mindmon.features.monitor_config.monitors import GLOBAL_NORM_SPIKES, STEP_LEVEL_NAME
 

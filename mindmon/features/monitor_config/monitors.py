@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mindmon.engine import Monitor
+from mindmon.core.engine import Monitor
 from mindmon.features.l2.monitor import power_iteration
-from mindmon.records import Record
+from mindmon.core.records import Record
 from mindmon.kernels.stats import SquaredNorms
 from mindmon.parallel.norms import ShardedNorms
 from mindmon.parallel.reduce import FullParameterNorms

@@ -13,7 +13,7 @@ from typing import Callable, FrozenSet, List, Optional, Tuple
 from mindmon.sinks.log import LogSink
 from mindmon.formats import training_state_log
 from mindmon.formats.log_lines import format_lines
-from mindmon.records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
+from mindmon.core.records import (DEVICE_LOSS, GRAD_NORM, LOCAL_LOSS, LOCAL_NORM, MAX_ATTENTION_LOGIT, MAX_ATTENTION_LOGIT_MAX,
                        MAX_ATTENTION_LOGIT_MEAN, Record)
 
 # The monitor_config metric (its `<metric>_format` key) each record kind belongs to.

@@ -1,5 +1,5 @@
 """The `profiler` section: MindSpore's profiler over a window of global steps."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.profiler.config import ProfilerConfig
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mindmon.features.profiler.config import ProfilerConfig
-from mindmon.formats import layout
-from mindmon.trainer_callbacks import TrainerCallback
+from mindmon.formats import run_folder
+from mindmon.core.trainer_callbacks import TrainerCallback
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def profiler_level(level: int):
 def rank_dir(config: ProfilerConfig, rank: int) -> str:
     """`output_path/rank_<r>`, or `<cwd>/profile/rank_<r>` when `output_path` is None (absolute)."""
     root = config.output_path if config.output_path is not None else os.path.join(os.getcwd(), "profile")
-    return layout.rank_dir(os.path.abspath(root), rank)
+    return run_folder.rank_dir(os.path.abspath(root), rank)
 
 
 class ProfilerCallback(TrainerCallback):

@@ -1,6 +1,6 @@
 """`monitor.speed`: step and phase times, throughput, memory, and the slow rank across the data-parallel
 ranks (docs/speed.md)."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.speed.config import PATH, SpeedConfig
 
 

@@ -16,7 +16,7 @@ path has not run on the CPU machine mindmon is tested on.
 import logging
 from typing import Optional
 
-from mindmon.events import GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, UpdateDone
+from mindmon.core.events import GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, UpdateDone
 
 logger = logging.getLogger("mindmon")
 

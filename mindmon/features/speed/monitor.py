@@ -29,13 +29,13 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
-from mindmon.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, StepEnd, StepWritten,
+from mindmon.core.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
+from mindmon.core.events import (GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, StepEnd, StepWritten,
                             UpdateDone)
 from mindmon.features.across_ranks.summaries import Column, summary_records
 from mindmon.features.speed.device_marks import DeviceMarks
 from mindmon.features.speed.memory import MemoryPeaks
-from mindmon.records import (ETA, FLOPS, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT, THROUGHPUT_DROP, WALL_CLOCK,
+from mindmon.core.records import (ETA, FLOPS, MEMORY, MFU, SLOW_RANK, STEP_TIME, THROUGHPUT, THROUGHPUT_DROP, WALL_CLOCK,
                              Record)
 
 RECENT_STEPS = 20          # the steps a throughput is compared with

@@ -4,7 +4,7 @@ YAML route; msprobe's and kj600's `TrainerMon` are front doors onto the same par
 import functools
 import os
 
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.tensor_stats.config import TensorStatsConfig, parse_tensor_stats
 
 CSV_FOLDER = "tensor_stats"   # the YAML route's msprobe run folders go under <output_dir>/tensor_stats/

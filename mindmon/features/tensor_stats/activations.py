@@ -33,7 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from mindmon.chunks import names_match
+from mindmon.parallel.chunks import names_match
 from mindmon.compat import (is_floating, mindspore_types, named_cells, register_gradient_hook,
                             requires_grad_is_told)
 from mindmon.config import ConfigError, check_keys, describe

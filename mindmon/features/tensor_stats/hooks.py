@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindmon.compat import builtin_hooks_accepted, register_gradient_hook
 from mindmon.config import ConfigError
-from mindmon.distributed import DataParallel
+from mindmon.parallel.data_parallel import DataParallel
 from mindmon.features.l2.hooks import attach_l2_and_collectives, select_l2_cells
 from mindmon.features.tensor_stats.accumulate import GradientSums
 from mindmon.features.tensor_stats.activations import (ActivationHooks, MicroSteps, check_spec_targets,
@@ -32,7 +32,7 @@ from mindmon.features.tensor_stats.optimizer_state import ADAM_RATIO, ADAM_UPDAT
 from mindmon.features.tensor_stats.structure import StackHooks, StopTraining, StructHooks
 from mindmon.features.tensor_stats.targets import find_moments, optimizer_parameters, select_parameters
 from mindmon.formats.msprobe_csv import output_root as csv_output_root
-from mindmon.optimizer_hooks import hook_optimizer_calls
+from mindmon.core.optimizer_hooks import hook_optimizer_calls
 
 logger = logging.getLogger("mindmon")
 

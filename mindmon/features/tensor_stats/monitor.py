@@ -32,9 +32,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from mindmon.compat import dtype_name, is_float32
-from mindmon.engine import Monitor
+from mindmon.core.engine import Monitor
 from mindmon.features.tensor_stats.points import (ACTV, ACTV_GRAD, POINTS)
-from mindmon.records import Record, TensorStatsRecord
+from mindmon.core.records import Record, TensorStatsRecord
 from mindmon.kernels.device import EMPTY_STATISTICS, DeviceRows, device_statistics, read_all
 from mindmon.kernels.one_pass import ROW_STATISTICS, prepare, reductions, reductions_at, row_reductions_at
 from mindmon.kernels.stats import (SMALL, StepDirectViews, direct_view, element_count, float32_memories,

@@ -26,7 +26,7 @@ import numpy as np
 from mindmon.config import ConfigError
 from mindmon.formats.histogram import ADAM_RATIO_HISTOGRAM, ADAM_UPDATE_HISTOGRAM, HISTOGRAM_KINDS, histogram
 from mindmon.features.tensor_stats.monitor import TensorStatsMonitor
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 MG_DIRECTION = "mg_direction"
 ADAM_UPDATE, ADAM_RATIO = "adam_update", "adam_ratio"

@@ -14,10 +14,10 @@ from itertools import compress, groupby, repeat
 from operator import attrgetter, itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink
+from mindmon.core.engine import RunInfo, Sink
 from mindmon.formats import msprobe_csv as fmt
 from mindmon.formats.msprobe_tags import CC_PREFIXES, msprobe_csv_name
-from mindmon.records import TensorStatsRecord
+from mindmon.core.records import TensorStatsRecord
 
 logger = logging.getLogger("mindmon")
 _KIND_AND_STEP = attrgetter("kind", "step")

@@ -5,9 +5,9 @@ Both are resolved once, when the monitor is attached, never per step.
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mindmon.chunks import chunk_name, has_chunk, names_match, split_chunk
+from mindmon.parallel.chunks import chunk_name, has_chunk, names_match, split_chunk
 from mindmon.compat import module_parameters, named_cells
-from mindmon.names import names_in_model
+from mindmon.core.names import names_in_model
 from mindmon.config import ConfigError
 
 # Attribute pairs (first moment, second moment) of the optimizers that keep Adam state, each a
@@ -52,7 +52,7 @@ def select_parameters(model, parameters: Sequence, targets: Tuple[str, ...], squ
                       ) -> List[Tuple[int, str]]:
     """(index in `parameters`, row name) of every optimizer parameter the targets select: a target is a
     module name from `cells_and_names()` (all its parameters) or a parameter name (or a prefix of one
-    ending at a dot), with or without a model chunk's `<c>:` prefix (mindmon.chunks). No targets = every
+    ending at a dot), with or without a model chunk's `<c>:` prefix (mindmon.parallel.chunks). No targets = every
     parameter. A target that selects nothing is a ConfigError."""
     chosen = {}
     cell_parameters = _cell_parameters(model, targets)

@@ -3,7 +3,7 @@ offline) and on a Prometheus endpoint, all from rank 0 (docs/trackers.md). A tra
 off with one line and training goes on."""
 import os
 
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.trackers.config import PATH, TrackersConfig
 
 

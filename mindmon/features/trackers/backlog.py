@@ -2,8 +2,8 @@
 on a slow network falls behind without slowing training; this says by how much, in the run's own files."""
 from typing import List, Sequence
 
-from mindmon.engine import Monitor
-from mindmon.records import Record
+from mindmon.core.engine import Monitor
+from mindmon.core.records import Record
 
 TRACKER_BACKLOG = "tracker_backlog"
 

@@ -6,7 +6,7 @@ import re
 import time
 from typing import Dict, List
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.trackers.config import MlflowConfig
 from mindmon.features.trackers.worker import TrackerSink, flatten
 

@@ -21,8 +21,8 @@ import socket
 import time
 from typing import Dict, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink
-from mindmon.records import ACROSS_RANKS, STEP_TIME, THROUGHPUT, Record
+from mindmon.core.engine import RunInfo, Sink
+from mindmon.core.records import ACROSS_RANKS, STEP_TIME, THROUGHPUT, Record
 from mindmon.features.trackers.config import PrometheusConfig
 from mindmon.features.trackers.worker import TrackerError, step_scalars
 

@@ -2,7 +2,7 @@
 into `<log_dir>/run-<time>-<id>/run-<id>.swanlab` (offline: uploaded later by `swanlab sync <that folder>`)."""
 from typing import Dict
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.trackers.config import SwanlabConfig
 from mindmon.features.trackers.worker import TrackerSink
 

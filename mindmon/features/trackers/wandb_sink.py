@@ -2,7 +2,7 @@
 `<dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb`, uploaded later by `wandb sync <that folder>`."""
 from typing import Dict
 
-from mindmon.engine import RunInfo
+from mindmon.core.engine import RunInfo
 from mindmon.features.trackers.config import WandbConfig
 from mindmon.features.trackers.worker import TrackerSink
 

@@ -8,8 +8,8 @@ import queue
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mindmon.engine import RunInfo, Sink
-from mindmon.records import Record
+from mindmon.core.engine import RunInfo, Sink
+from mindmon.core.records import Record
 from mindmon.sinks.tensorboard import record_tags
 
 QUEUED_STEPS = 1000   # steps waiting for a slow tracker; past that the oldest are dropped

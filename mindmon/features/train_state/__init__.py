@@ -1,5 +1,5 @@
 """`monitor.train_state`: per-parameter gradient norms and losses per micro-step and per step."""
-from mindmon.engine import Feature
+from mindmon.core.engine import Feature
 from mindmon.features.train_state.config import TrainStateConfig
 
 

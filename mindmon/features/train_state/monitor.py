@@ -15,9 +15,9 @@ import numpy as np
 
 from mindmon.config import ConfigError
 from mindmon.features.train_state.config import TrainStateConfig
-from mindmon.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
-from mindmon.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss, StepLoss
-from mindmon.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
+from mindmon.core.engine import NO_CROSS_RANK, CrossRankPayload, CrossRankSizes, Monitor
+from mindmon.core.events import GradientSnapshot, GradientsReduced, MicroBatchGradients, MicroBatchLoss, StepLoss
+from mindmon.core.records import DEVICE_LOSS, DEVICE_NORM, LOCAL_LOSS, LOCAL_NORM, MICRO_NORM, Record
 from mindmon.parallel.norms import ShardedNorms
 from mindmon.kernels.stats import MicroStepNorms, SquaredNorms, to_float
 

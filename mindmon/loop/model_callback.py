@@ -27,10 +27,10 @@ optimizer exactly when it is true. A plain `TrainOneStepCell` checks no overflow
 import mindspore as ms
 from mindspore.train import Callback
 
-from mindmon.events import GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, UpdateDone
-from mindmon.loss_scaling import loss_scale_cell
-from mindmon.optimizer_hooks import hook_optimizer_calls
-from mindmon.step import batch_size
+from mindmon.core.events import GradientsReduced, MicroBatchEnd, ReduceBegin, StepBegin, UpdateDone
+from mindmon.loop.loss_scaling import loss_scale_cell
+from mindmon.core.optimizer_hooks import hook_optimizer_calls
+from mindmon.loop.step import batch_size
 
 
 class ModelMonitorCallback(Callback):

@@ -22,9 +22,9 @@ from mindspore import Tensor, ops, value_and_grad
 
 from mindmon.compat import narrow, with_device_of
 from mindmon.config import check_max_norm
-from mindmon.distributed import DataParallel
-from mindmon.loss_scaling import as_loss_scaler
-from mindmon.events import (GradientSnapshot, GradientsReduced, MicroBatchEnd, MicroBatchGradients, MicroBatchLoss,
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.loop.loss_scaling import as_loss_scaler
+from mindmon.core.events import (GradientSnapshot, GradientsReduced, MicroBatchEnd, MicroBatchGradients, MicroBatchLoss,
                             MicroBatchLosses, ReduceBegin, StepBegin, StepLoss, UpdateDone)
 from mindmon.parallel.reduce import model_parallel_sums
 from mindmon.kernels.stats import HostGradientBuffer, SquaredNorms, host_is_device, to_float
@@ -90,7 +90,7 @@ class AccumulatingTrainStep:
     after that adjustment, whether the gradients overflowed, whether the update was skipped) for the
     loss_scale feature.
 
-    It tells the group what happens as it happens, in the step events of mindmon.events (StepBegin, per
+    It tells the group what happens as it happens, in the step events of mindmon.core.events (StepBegin, per
     micro-batch MicroBatchLoss / MicroBatchGradients / MicroBatchEnd, ReduceBegin, GradientsReduced,
     UpdateDone, StepLoss); it knows no feature.
     """
@@ -214,7 +214,7 @@ class AccumulatingTrainStep:
 
     def _reduce(self, accumulated, loss_sum, group):
         """The data-parallel mean of the gradients and of the micro-batch losses, with the monitors'
-        cross-rank payloads (mindmon.cross_rank), in one collective. One rank: nothing to reduce. Returns
+        cross-rank payloads (mindmon.core.cross_rank), in one collective. One rank: nothing to reduce. Returns
         (gradients, mean loss, the step's exchange of payloads, or None); the exchange is delivered here
         unless the model-parallel sums carry it on."""
         several = self.data_parallel.active or self.model_parallel is not None

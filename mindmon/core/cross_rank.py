@@ -1,4 +1,4 @@
-"""One step's cross-rank payloads (mindmon.engine.CrossRankPayload) of every monitor of a group, packed into
+"""One step's cross-rank payloads (mindmon.core.engine.CrossRankPayload) of every monitor of a group, packed into
 the collectives the training step makes anyway, and handed back.
 
     exchange = group.cross_rank(K)              # the sizes every built monitor declares for K
@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mindmon.engine import CrossRankPayload, CrossRankSizes
+from mindmon.core.engine import CrossRankPayload, CrossRankSizes
 
 PARTS = ("data_parallel", "shards", "job")
 

@@ -1,6 +1,6 @@
 """MonitorGroup: routes the training loop's record calls to its monitors and their records to its sinks.
 
-It is handed its monitors and sinks (mindmon.factory builds them from a config) and does nothing
+It is handed its monitors and sinks (mindmon.core.factory builds them from a config) and does nothing
 else. It keeps the record protocol of the newer upstream MindFormers trainer (`setup, reset,
 record(key, value=None, context=None), flush(step), close, should_record, active`), so it can stand
 in for that trainer's monitor. A monitor that raises is logged once and dropped; a sink that fails
@@ -12,11 +12,11 @@ import time
 from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
-from mindmon.cross_rank import CrossRankExchange
-from mindmon.engine import Monitor, RunInfo, Service, Sink, SinkClosedError
-from mindmon.events import StepBegin, StepEnd, StepEvent, StepWritten, from_record
-from mindmon.progress import PROGRESS
-from mindmon.records import Record
+from mindmon.core.cross_rank import CrossRankExchange
+from mindmon.core.engine import Monitor, RunInfo, Service, Sink, SinkClosedError
+from mindmon.core.events import StepBegin, StepEnd, StepEvent, StepWritten, from_record
+from mindmon.core.progress import PROGRESS
+from mindmon.core.records import Record
 
 
 class MonitorGroup:
@@ -38,7 +38,7 @@ class MonitorGroup:
         self.rank = rank
         self.logger = logger or logging.getLogger("mindmon")
         # Every monitor built, switched off or not: each declares its cross-rank sizes, so every rank's
-        # collectives keep their size (mindmon.cross_rank).
+        # collectives keep their size (mindmon.core.cross_rank).
         self.built: List[Monitor] = list(self.monitors)
         self._opened = False
         self._closed = False
@@ -92,9 +92,9 @@ class MonitorGroup:
             self.guard(monitor, monitor.reset)
 
     def emit(self, event: StepEvent) -> None:
-        """One of the step's events (mindmon.events) to every monitor that takes its type. `StepBegin` also
+        """One of the step's events (mindmon.core.events) to every monitor that takes its type. `StepBegin` also
         resets the monitors. The event's `at` is stamped here; its phase becomes this process's place
-        (mindmon.progress), which the peer watchdog reports."""
+        (mindmon.core.progress), which the peer watchdog reports."""
         if isinstance(event, StepBegin):
             self.reset()
         self._deliver(event)
@@ -112,7 +112,7 @@ class MonitorGroup:
     def record(self, key: str, value=None, context=None) -> None:
         """The MindFormers monitor protocol: a step's key (`local_loss`, `local_norm`, `device_loss`,
         `device_norm`, `moe_tpe_step_begin`, `moe_tpe`, `loss_components`, `loss_scale`) is emitted as its
-        event (mindmon.events.from_record); any other key goes to the monitors whose `KEYS` have it."""
+        event (mindmon.core.events.from_record); any other key goes to the monitors whose `KEYS` have it."""
         event = from_record(key, value, context)
         if event is not None:   # (not `emit`: the protocol resets with its own call)
             self._deliver(event)
@@ -124,7 +124,7 @@ class MonitorGroup:
         self._own_seconds += time.perf_counter() - started
 
     def cross_rank(self, num_micro_steps: int) -> CrossRankExchange:
-        """This step's cross-rank payloads of the monitors (mindmon.engine.CrossRankPayload), which the
+        """This step's cross-rank payloads of the monitors (mindmon.core.engine.CrossRankPayload), which the
         training step packs into its collectives and hands back with `deliver()`."""
         return CrossRankExchange(self, num_micro_steps)
 
@@ -165,7 +165,7 @@ class MonitorGroup:
     def _step_values(self, step: int, loss, grad_norm, learning_rate) -> List[Record]:
         if loss is None and grad_norm is None and learning_rate is None:
             return []
-        from mindmon.step_values import step_value_records
+        from mindmon.core.step_values import step_value_records
 
         try:
             return step_value_records(step, self.rank, loss, grad_norm, learning_rate,

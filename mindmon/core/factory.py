@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from mindmon.config import MindmonConfig
-from mindmon.distributed import DataParallel
-from mindmon.engine import CombinedActions, Feature, Monitor, Service, Sink
+from mindmon.parallel.data_parallel import DataParallel
+from mindmon.core.engine import CombinedActions, Feature, Monitor, Service, Sink
 from mindmon.features import FEATURES, section_of
-from mindmon.group import MonitorGroup
+from mindmon.core.group import MonitorGroup
 
 
 class _RankTagged(logging.LoggerAdapter):
@@ -156,7 +156,7 @@ def _write_now(built: Build, records) -> None:
 
 
 def _report_hang(built: Build, hang) -> None:
-    from mindmon.records import HANG, Record
+    from mindmon.core.records import HANG, Record
 
     odd = ", ".join(f"rank {r} in {hang.places[r].phase} of step {hang.places[r].step}" for r in hang.odd)
     name = odd or f"all ranks in {hang.majority[1]} of step {hang.majority[0]}"
@@ -167,8 +167,8 @@ def _report_hang(built: Build, hang) -> None:
 
 
 def _report_lost(built: Build, lost, line: str) -> None:
-    from mindmon.progress import PROGRESS
-    from mindmon.records import RANK_LOST, Record
+    from mindmon.core.progress import PROGRESS
+    from mindmon.core.records import RANK_LOST, Record
 
     step = PROGRESS.place.step
     _write_now(built, [Record(step, None, built.rank, RANK_LOST, f"rank {r}", 1.0) for r in lost])
@@ -230,7 +230,7 @@ def build_callbacks(group: MonitorGroup, config: MindmonConfig, features: Sequen
     """The trainer callbacks: one that flushes the group at every step end (when it has monitors,
     or TensorBoard alone, which still gets the trainer's loss / lr / grad norm), and those the
     features ask for (the profiler's)."""
-    from mindmon.trainer_callbacks import MonitorCallback
+    from mindmon.core.trainer_callbacks import MonitorCallback
 
     callbacks = [MonitorCallback(group)] if group.active or config.monitor.tensorboard.enabled else []
     for feature in features:

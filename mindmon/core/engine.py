@@ -6,7 +6,7 @@ A step, as the group drives it:
 
     monitor.reset()                              step begin
     monitor.on_event(event)                      for each event whose type is in monitor.EVENTS
-                                                 (mindmon.events: the training step's own vocabulary)
+                                                 (mindmon.core.events: the training step's own vocabulary)
     monitor.record(key, value, context)          for each key in monitor.KEYS: a feature's hooks handing
                                                  their monitor data (tensor statistics, L2, collectives)
     monitor.cross_rank(K) / receive_cross_rank()  only with several ranks: its CrossRankPayload summed
@@ -32,7 +32,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from mindmon.records import Record
+from mindmon.core.records import Record
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class CrossRankPayload:
 class Monitor(abc.ABC):
     """Collects during a step, without host syncs, and returns the step's records at `collect`.
 
-    `EVENTS` are the step events (mindmon.events) it takes, delivered to `on_event`; `KEYS` are the
+    `EVENTS` are the step events (mindmon.core.events) it takes, delivered to `on_event`; `KEYS` are the
     `record(key, ...)` keys its own hooks send it; the group calls each only for those.
     A monitor that needs values summed over ranks declares their sizes (`cross_rank_sizes`), gives its
     values at each step (`cross_rank`) and gets the sums back (`receive_cross_rank`); they ride in the
@@ -243,7 +243,7 @@ class Feature:
     parse: Optional[Callable[[str, Any], Any]] = None
     # (the raw config, the parsed MindmonConfig) -> MindmonConfig: a dialect mapped onto other sections.
     translate: Optional[Callable[[dict, Any], Any]] = None
-    # (mindmon.factory.Build, its section) -> None: adds its monitors, sinks and actions to the build.
+    # (mindmon.core.factory.Build, its section) -> None: adds its monitors, sinks and actions to the build.
     build: Optional[Callable[[Any, Any], None]] = None
     # (the MonitorGroup, its section, the logger) -> the trainer callbacks it needs besides the group's.
     callbacks: Optional[Callable[[Any, Any, Any], list]] = None

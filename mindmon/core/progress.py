@@ -1,6 +1,6 @@
 """Where this process's training is: the step and the phase it is in, and since when.
 
-The training step's events set it (mindmon.group.MonitorGroup.emit) as they happen; the peer watchdog's
+The training step's events set it (mindmon.core.group.MonitorGroup.emit) as they happen; the peer watchdog's
 thread reads it for its heartbeat, so rank 0 can tell a rank that is stuck (alive, but in the same phase of
 the same step for too long) from one that is slow, and say where each rank is. Setting it is two attribute
 writes and one clock read: it costs nothing a step would notice, and the reader needs no lock because it

@@ -1,6 +1,6 @@
 """What the training step tells the monitors: one typed event per thing that happens in a step.
 
-The training loop (mindmon.step), the `Model.train` callback and the MindFormers integration emit these
+The training loop (mindmon.loop.step), the `Model.train` callback and the MindFormers integration emit these
 through `MonitorGroup.emit`; a monitor lists the event types it takes in `EVENTS` and receives them in
 `on_event`. The loop knows no feature: a capability that needs to know when something happens subscribes
 to its event, and one that needs a new moment of the step adds an event here.
@@ -27,7 +27,7 @@ drives the same monitors.
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
-from mindmon.progress import DATA, FORWARD_BACKWARD, MONITOR, REDUCE, UPDATE
+from mindmon.core.progress import DATA, FORWARD_BACKWARD, MONITOR, REDUCE, UPDATE
 
 
 @dataclass
@@ -45,7 +45,7 @@ class GradientSnapshot:
 @dataclass
 class StepEvent:
     """The base of every event. `PHASE`: the phase of the step that begins when it happens
-    (mindmon.progress); None: it does not move the step to another phase."""
+    (mindmon.core.progress); None: it does not move the step to another phase."""
 
     at: float = field(default=0.0, init=False, compare=False)
     mindmon_seconds: float = field(default=0.0, init=False, compare=False)

@@ -7,7 +7,7 @@ here, so both write the same records (docs/semantics.md).
 """
 from typing import List, Optional
 
-from mindmon.records import GRAD_NORM, LEARNING_RATE, LOSS, MAX_NORM, SAMPLES, Record
+from mindmon.core.records import GRAD_NORM, LEARNING_RATE, LOSS, MAX_NORM, SAMPLES, Record
 from mindmon.kernels.stats import to_float
 
 
