@@ -85,7 +85,7 @@ install-ms210:
 	$(BIN_MS210)/python tools/mindformers_requirements.py > $(VENV_MS210)/mindformers-requirements.txt
 	$(BIN_MS210)/python -m pip install -q -c $(VENV_MS210)/constraints.txt -r $(VENV_MS210)/mindformers-requirements.txt
 	@# MindFormers 2.1.0's source, unpacked beside the environment, not installed (it requires MindSpore 2.11):
-	@# tests/test_mindformers21.py runs its Trainer in a process of its own
+	@# tests/mindformers/test_mindformers21.py runs its Trainer in a process of its own
 	test -d $(VENV_MS210)/mindformers-2.1.0/mindformers || ( \
 		$(BIN_MS210)/python -m pip download -q --no-deps mindformers==2.1.0 -d $(VENV_MS210)/mindformers-2.1.0 && \
 		$(BIN_MS210)/python -m zipfile -e $(VENV_MS210)/mindformers-2.1.0/mindformers-2.1.0-py3-none-any.whl \

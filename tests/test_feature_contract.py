@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import make_model
+from tests.support.demo_trainer import make_model
 from mindmon.core.events import GradientsReduced, ReduceBegin
 from mindmon.config import Section, setting
 from mindmon.config.fields import boolean

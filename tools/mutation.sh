@@ -21,20 +21,20 @@ SCRATCH="${MUTATION_DIR:-/tmp/mindmon-mutation}"
 # The fast test files that check each module's numbers (the msrun test for distributed.py is slow).
 tests_for() {
   case "$1" in
-    mindmon/kernels/stats.py) echo "tests/test_stats.py tests/test_direct_view.py tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_paths.py" ;;
-    mindmon/loop/step.py) echo "tests/test_train_state_values.py tests/test_plain_loop.py tests/test_step_values.py tests/test_stats.py tests/test_step_paths.py" ;;
-    mindmon/features/train_state/monitor.py) echo "tests/test_train_state_values.py" ;;
-    mindmon/features/moe_tokens/monitor.py) echo "tests/test_moe_tokens_values.py tests/test_moe_tokens.py tests/test_probes.py" ;;
-    mindmon/kernels/one_pass.py|mindmon/kernels/compiled.py) echo "tests/test_one_pass.py tests/test_tensor_stats_ops.py" ;;
-    mindmon/features/tensor_stats/monitor.py) echo "tests/test_tensor_stats_ops.py tests/test_one_pass.py tests/test_msprobe_tensor_stats.py tests/test_direct_view.py tests/test_msprobe_trainer_mon.py" ;;
-    mindmon/compat.py) echo "tests/test_compat.py tests/test_msprobe_csv.py" ;;
-    mindmon/features/tensor_stats/accumulate.py) echo "tests/test_gradient_sums.py tests/test_msprobe_trainer_mon.py tests/test_direct_view.py tests/test_dynamic_on_off.py" ;;
-    mindmon/features/tensor_stats/activations.py) echo "tests/test_activations.py tests/test_activations_yaml.py" ;;
-    mindmon/formats/msprobe_csv.py) echo "tests/test_msprobe_csv.py tests/test_msprobe_trainer_mon.py tests/test_activations.py" ;;
-    mindmon/features/max_logits/monitor.py) echo "tests/test_max_logit_monitor.py tests/test_max_logits.py tests/test_probes.py" ;;
-    mindmon/parallel/data_parallel.py) echo "tests/test_distributed_collectives.py" ;;
-    mindmon/features/max_logits/probe.py) echo "tests/test_max_logit_probe_values.py tests/test_probes_gqa.py tests/test_probes.py" ;;
-    mindmon/features/moe_tokens/probe.py) echo "tests/test_probe_details.py tests/test_probes.py tests/test_probes_gqa.py" ;;
+    mindmon/kernels/stats.py) echo "tests/kernels/test_stats.py tests/kernels/test_direct_view.py tests/features/train_state/test_train_state_values.py tests/loop/test_plain_loop.py tests/loop/test_step_paths.py" ;;
+    mindmon/loop/step.py) echo "tests/features/train_state/test_train_state_values.py tests/loop/test_plain_loop.py tests/core/test_step_values.py tests/kernels/test_stats.py tests/loop/test_step_paths.py" ;;
+    mindmon/features/train_state/monitor.py) echo "tests/features/train_state/test_train_state_values.py" ;;
+    mindmon/features/moe_tokens/monitor.py) echo "tests/features/moe_tokens/test_moe_tokens_values.py tests/features/moe_tokens/test_moe_tokens.py tests/probes/test_probes.py" ;;
+    mindmon/kernels/one_pass.py|mindmon/kernels/compiled.py) echo "tests/kernels/test_one_pass.py tests/features/tensor_stats/test_tensor_stats_ops.py" ;;
+    mindmon/features/tensor_stats/monitor.py) echo "tests/features/tensor_stats/test_tensor_stats_ops.py tests/kernels/test_one_pass.py tests/features/tensor_stats/test_tensor_stats_engine.py tests/kernels/test_direct_view.py tests/msprobe/test_msprobe_trainer_mon.py" ;;
+    mindmon/compat.py) echo "tests/core/test_compat.py tests/msprobe/test_msprobe_csv.py" ;;
+    mindmon/features/tensor_stats/accumulate.py) echo "tests/features/tensor_stats/test_tensor_stats_gradient_sums.py tests/msprobe/test_msprobe_trainer_mon.py tests/kernels/test_direct_view.py tests/msprobe/test_msprobe_dynamic_on_off.py" ;;
+    mindmon/features/tensor_stats/activations.py) echo "tests/features/tensor_stats/test_tensor_stats_activations.py tests/features/tensor_stats/test_tensor_stats_activations_yaml.py" ;;
+    mindmon/formats/msprobe_csv.py) echo "tests/msprobe/test_msprobe_csv.py tests/msprobe/test_msprobe_trainer_mon.py tests/features/tensor_stats/test_tensor_stats_activations.py" ;;
+    mindmon/features/max_logits/monitor.py) echo "tests/features/max_logits/test_max_logits_monitor.py tests/features/max_logits/test_max_logits.py tests/probes/test_probes.py" ;;
+    mindmon/parallel/data_parallel.py) echo "tests/parallel/test_data_parallel.py" ;;
+    mindmon/features/max_logits/probe.py) echo "tests/features/max_logits/test_max_logits_probe_values.py tests/features/max_logits/test_max_logits_probes_gqa.py tests/probes/test_probes.py" ;;
+    mindmon/features/moe_tokens/probe.py) echo "tests/probes/test_probes_details.py tests/probes/test_probes.py tests/features/max_logits/test_max_logits_probes_gqa.py" ;;
     *) echo "tools/mutation.sh: no test files known for $1; add it to tests_for" >&2; exit 2 ;;
   esac
 }

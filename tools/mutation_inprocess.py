@@ -9,7 +9,7 @@ so one process can run the tests of many mutants in turn, paying the import once
 
 For every mutant of the module whose mutmut exit code is in --status (default: not run yet, survived,
 no tests), or named in --names FILE (one a line), it runs `pytest -x` on the tests mutmut mapped to
-the mutated function, plus --extra tests for one function (`x__host_array=tests/test_direct_view.py`,
+the mutated function, plus --extra tests for one function (`x__host_array=tests/kernels/test_direct_view.py`,
 the function named as in the mutant names) and --every TEST for all, fast unit files first. A failure
 counts as a kill only if the failing test then passes unmutated in the same process (else the mutant
 left state behind: "suspect"). Confirm survivors in a fresh process:

@@ -20,10 +20,10 @@ has() {
 
 # package | commands that must all exist (any one of each `a/b` pair) | tests that fail without it
 PACKAGES=(
-    "mariadb-server|mariadbd/mysqld mariadb-install-db/mysql_install_db|the MySQL alert-delivery tests (test_alert_outages, test_alert_secrets, test_lost_commit)"
-    "postgresql|initdb pg_ctl postgres|the PostgreSQL alert-delivery tests (test_alerts, test_alerts_demo, test_alert_outages, test_alert_storm, test_alert_secrets, test_lost_commit)"
-    "openssl|openssl|the SMTP alert tests, whose server's certificate it makes (test_alerts, test_alert_outages, test_alert_storm, test_alert_secrets, test_alert_email_resend, test_alerts_demo)"
-    "prometheus|prometheus|test_prometheus (a real Prometheus server scraping the run's endpoint)"
+    "mariadb-server|mariadbd/mysqld mariadb-install-db/mysql_install_db|the MySQL alert-delivery tests (test_alerts_outages, test_alerts_secrets, test_lost_commit)"
+    "postgresql|initdb pg_ctl postgres|the PostgreSQL alert-delivery tests (test_alerts, test_alerts_demo, test_alerts_outages, test_alerts_storm, test_alerts_secrets, test_lost_commit)"
+    "openssl|openssl|the SMTP alert tests, whose server's certificate it makes (test_alerts, test_alerts_outages, test_alerts_storm, test_alerts_secrets, test_alerts_email_resend, test_alerts_demo)"
+    "prometheus|prometheus|test_trackers_prometheus (a real Prometheus server scraping the run's endpoint)"
     "util-linux|unshare nsenter runuser|test_read_only_folder (unshare, nsenter) and, under root, every database test (runuser)"
 )
 
