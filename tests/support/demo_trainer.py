@@ -5,8 +5,13 @@ import os
 import re
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 
+# Synchronous PyNative, as tests/conftest.py sets it for the test processes: the workers that import this
+# module (msrun ranks, the MindFormers runs) get it too. Asynchronous, a small CPU machine's steps are several
+# times slower (docs/performance.md), which the hang test's derived hang_after must not be.
+ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
 
 SMALL_MODEL = {"vocab_size": 32, "hidden_size": 16, "ffn_hidden_size": 32, "num_layers": 2,
                "num_attention_heads": 2, "seq_length": 8, "num_experts": 4, "moe_router_topk": 2,
